@@ -1,0 +1,139 @@
+"""The ``Store`` interface: the key-value side channel by which ranks find each other.
+
+A store maps string keys to byte values. Every rank of a job talks to the same
+store; ranks publish their addresses in it, count arrivals with ``add``, and block
+in ``get``/``wait`` until a peer has published what they need. Vocabulary:
+
+- *key*: a ``str``; *value*: ``bytes`` (a ``str`` is stored as its UTF-8 bytes);
+- *counter*: a key whose value is an ASCII decimal integer, created and bumped by ``add``;
+- *timeout*: how long ``get``/``wait`` block for a missing key before raising
+  :class:`~torchdist.errors.DistStoreError` naming the keys.
+
+Concrete stores implement the abstract methods; the optional ones
+(``append``, ``multi_get``, ``multi_set``, queues, ``list_keys``, ``clone``) raise
+``RuntimeError("Not implemented.")`` here, as in PyTorch, and
+``has_extended_api()`` says whether a store implements them natively.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable
+
+from ..errors import DistStoreError
+
+__all__ = ["Store", "DEFAULT_STORE_TIMEOUT"]
+
+#: PyTorch's default for every store it constructs directly.
+DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
+    """Values may be given as ``str`` (stored as UTF-8) or any bytes-like object."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (list, tuple)):  # PyTorch accepts a list of byte values
+        return bytes(value)
+    raise TypeError(f"store values must be str or bytes, got {type(value).__name__}")
+
+
+def as_timedelta(timeout: timedelta | float | int) -> timedelta:
+    """Accept a ``timedelta`` or a number of seconds."""
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)):
+        return timedelta(seconds=timeout)
+    raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+
+
+def wait_timeout_error(store: str, keys: Iterable[str], timeout: timedelta) -> DistStoreError:
+    """The one error every store raises when keys do not appear in time."""
+    ms = int(timeout.total_seconds() * 1000)
+    return DistStoreError(
+        f"{store}: wait timeout after {ms}ms, keys: {list(keys)}. No rank set these keys in time: "
+        "check that every rank reached the same point, or raise the store's timeout."
+    )
+
+
+class Store:
+    """Abstract base of every store; subclass it and override the operations."""
+
+    def __init__(self, timeout: timedelta = DEFAULT_STORE_TIMEOUT) -> None:
+        self._timeout = as_timedelta(timeout)
+
+    # -- timeout -------------------------------------------------------------------
+    @property
+    def timeout(self) -> timedelta:
+        """How long ``get`` and ``wait`` block for missing keys."""
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = as_timedelta(timeout)
+
+    # -- the core operations every store has ---------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        raise RuntimeError("Not implemented.")
+
+    def get(self, key: str) -> bytes:
+        raise RuntimeError("Not implemented.")
+
+    def add(self, key: str, amount: int) -> int:
+        raise RuntimeError("Not implemented.")
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        raise RuntimeError("Not implemented.")
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        raise RuntimeError("Not implemented.")
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Not implemented.")
+
+    def delete_key(self, key: str) -> bool:
+        raise RuntimeError("Not implemented.")
+
+    def num_keys(self) -> int:
+        raise RuntimeError("Not implemented.")
+
+    # -- the extended API ----------------------------------------------------------
+    def has_extended_api(self) -> bool:
+        """True when ``append``, ``multi_get`` and ``multi_set`` are native operations."""
+        return False
+
+    def append(self, key: str, value: str | bytes) -> None:
+        raise RuntimeError("Not implemented.")
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        raise RuntimeError("Not implemented.")
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        raise RuntimeError("Not implemented.")
+
+    def list_keys(self) -> list[str]:
+        raise RuntimeError("Not implemented.")
+
+    def clone(self) -> "Store":
+        raise RuntimeError("Not implemented.")
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        raise RuntimeError("Not implemented.")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        raise RuntimeError("Not implemented.")
+
+    def queue_len(self, key: str) -> int:
+        raise RuntimeError("Not implemented.")
+
+    def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        """Block until ``world_size`` callers have called ``barrier`` with ``key``.
+
+        Built from ``add`` and ``wait`` so it works on every store: the last arrival
+        sets ``key + "/done"``, which everyone waits for.
+        """
+        if world_size <= 0:
+            raise ValueError(f"barrier: world_size must be positive, got {world_size}")
+        if self.add(key, 1) == world_size:
+            self.set(key + "/done", b"1")
+        self.wait([key + "/done"], timeout if timeout is not None else self.timeout)
