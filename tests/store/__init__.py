@@ -1,0 +1,1 @@
+"""Tests of torchdist's stores; ``conformance`` holds the tests every store must pass."""
