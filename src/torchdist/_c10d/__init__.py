@@ -1,0 +1,1 @@
+"""Layer 1: what users call — init, groups, collectives, point-to-point, object collectives."""

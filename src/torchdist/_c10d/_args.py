@@ -1,0 +1,150 @@
+"""Argument handling shared by every c10d function: groups, roots, dtypes, staging.
+
+Each public function resolves its group (warning and returning None on
+non-members, as PyTorch does), turns root arguments (global ``src``/``dst`` or
+group ``group_src``/``group_dst``) into a group rank, checks dtypes and sizes
+before anything is sent, and hands the backend contiguous tensors: a
+non-contiguous output is replaced by a contiguous copy (a *stage*) whose result is
+copied back when the op completes, so strided slices come out right.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import torch
+
+from .._process_group.process_group import ProcessGroup
+from .._process_group.work import Work
+from .world import NON_GROUP_MEMBER, WORLD
+
+
+def member_group(group: ProcessGroup | None, op: str) -> ProcessGroup | None:
+    """The group to run ``op`` on, or None (after a warning) if this rank is not in it."""
+    pg = WORLD.resolve(group)
+    if pg is NON_GROUP_MEMBER:
+        rank = WORLD.require_default().rank()
+        warnings.warn(
+            f"Running {op} on global rank {rank} which does not belong to the given group.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return pg
+
+
+def group_root(
+    pg: ProcessGroup, op: str, global_rank: int | None, group_rank: int | None, default: int | None = None
+) -> int:
+    """The group rank named by exactly one of ``global_rank``/``group_rank``.
+
+    ``default`` (a global rank) applies when neither is given; without one, a root is required.
+    """
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"{op}: Can't specify both group_rank and global_rank")
+    if global_rank is None and group_rank is None:
+        if default is None:
+            raise ValueError(f"{op}: Must specify global_rank or group_rank (e.g. src=0)")
+        global_rank = default
+    if group_rank is not None:
+        if not 0 <= group_rank < pg.size():
+            raise RuntimeError(f"{op}: invalid root rank: group rank {group_rank} is not in 0..{pg.size() - 1}")
+        return int(group_rank)
+    world_size = WORLD.require_default().size()
+    if not 0 <= global_rank < world_size:
+        raise RuntimeError(f"{op}: invalid root rank: {global_rank} is not in 0..{world_size - 1}")
+    return WORLD.group_rank(pg, int(global_rank))
+
+
+def check_tensor(op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{op}: {name} is on {tensor.device}; torchdist's CPU backends take CPU tensors")
+    if tensor.is_sparse:
+        raise ValueError(f"{op}: sparse tensors are not supported; pass tensor.to_dense()")
+    return tensor
+
+
+def check_same_dtype(op: str, tensors: Iterable[torch.Tensor]) -> None:
+    dtype = None
+    for t in tensors:
+        check_tensor(op, t)
+        if dtype is None:
+            dtype = t.dtype
+        elif t.dtype != dtype:
+            raise ValueError(
+                f"{op}: Invalid usage of tensors with different dtypes. Found {dtype} and {t.dtype}"
+            )
+
+
+def check_list(op: str, tensors: object, size: int, name: str) -> list[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) != size:
+        raise ValueError(f"{op}: {name} has {len(tensors)} tensors; it must have one per rank ({size})")
+    return list(tensors)
+
+
+class Staging:
+    """Contiguous stand-ins for the caller's tensors, and the copies back after the op.
+
+    Complex tensors travel as their real view (``view_as_real``), so backends only
+    ever see real dtypes.
+    """
+
+    def __init__(self) -> None:
+        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def _wire(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+    def input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the op only reads."""
+        return self._wire(tensor.contiguous())
+
+    def output(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the op writes (and may read first, for in-place ops)."""
+        if tensor.is_contiguous():
+            return self._wire(tensor)
+        stage = tensor.contiguous()
+        self._copy_back.append((tensor, stage))
+        return self._wire(stage)
+
+    def finish(self, work: Work, async_op: bool) -> Work | None:
+        """Attach the copies back to ``work``; wait for it unless ``async_op``."""
+        if self._copy_back:
+            copies = self._copy_back
+
+            def copy_back(done: Work) -> None:
+                if done.is_success():
+                    for target, stage in copies:
+                        target.copy_(stage)
+
+            work._on_done(copy_back)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+def all_of(op: str, works: list[Work], outputs: list[torch.Tensor]) -> Work:
+    """One Work that completes when every one of ``works`` has, failing with the first error."""
+    combined = Work(op, outputs)
+    remaining = [len(works)]
+
+    def on_done(done: Work) -> None:
+        if done.exception() is not None:
+            combined._fail(done.exception())
+            return
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            combined._complete()
+
+    if not works:
+        combined._complete()
+    for work in works:
+        work._on_done(on_done)
+    return combined

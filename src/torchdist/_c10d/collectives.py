@@ -1,0 +1,317 @@
+"""The tensor collectives: what users call, with PyTorch's signatures and checks.
+
+Each function: resolve the group (non-members warn and get None), translate roots
+to group ranks, check what can be checked locally (list lengths, dtypes, element
+counts) so a mistake raises ``ValueError`` before anything is sent, stage
+non-contiguous tensors, and hand the op to the group's backend. What can only be
+checked across ranks (another rank passed a different shape, op or root) is
+caught by the backend's per-message fingerprints.
+
+``async_op=True`` returns the backend's :class:`Work`; otherwise the call returns
+None once the tensors hold the result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+
+import torch
+
+from .._process_group.reduce_op import ReduceOp, as_red_op, supports_complex
+from .._process_group.work import Work
+from ._args import Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+]
+
+
+def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
+    kind, _ = as_red_op(op)
+    if any(t.is_complex() for t in tensors) and not supports_complex(op):
+        raise ValueError(f"{name} does not support {kind.name} on complex tensors")
+    if kind in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and any(t.is_floating_point() for t in tensors):
+        raise ValueError(f"{name}: {kind.name} is only defined for integer and bool tensors, got {tensors[0].dtype}")
+    return op
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
+              group_src: int | None = None) -> Work | None:
+    """Copy the root's ``tensor`` into every rank's ``tensor``."""
+    pg = member_group(group, "broadcast")
+    if pg is None:
+        return None
+    check_tensor("broadcast", tensor)
+    root = group_root(pg, "broadcast", src, group_src)
+    stage = Staging()
+    return stage.finish(pg.backend.broadcast(stage.output(tensor), root), async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across ranks, in place, on every rank."""
+    pg = member_group(group, "all_reduce")
+    if pg is None:
+        return None
+    check_tensor("all_reduce", tensor)
+    _check_op("all_reduce", op, [tensor])
+    stage = Staging()
+    return stage.finish(pg.backend.allreduce([stage.output(tensor)], op), async_op)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group=None,
+                         async_op: bool = False) -> Work | None:
+    """``all_reduce`` of several tensors of one dtype in a single operation."""
+    pg = member_group(group, "all_reduce_coalesced")
+    if pg is None:
+        return None
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    check_same_dtype("all_reduce_coalesced", tensors)
+    _check_op("all_reduce_coalesced", op, tensors)
+    stage = Staging()
+    return stage.finish(pg.backend.allreduce([stage.output(t) for t in tensors], op), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group=None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` across ranks into the root's ``tensor`` (others may be clobbered)."""
+    pg = member_group(group, "reduce")
+    if pg is None:
+        return None
+    check_tensor("reduce", tensor)
+    _check_op("reduce", op, [tensor])
+    root = group_root(pg, "reduce", dst, group_dst)
+    stage = Staging()
+    return stage.finish(pg.backend.reduce(stage.output(tensor), root, op), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False) -> Work | None:
+    """``tensor_list[i]`` receives rank i's ``tensor``."""
+    pg = member_group(group, "all_gather")
+    if pg is None:
+        return None
+    outputs = check_list("all_gather", tensor_list, pg.size(), "tensor_list")
+    check_same_dtype("all_gather", [tensor, *outputs])
+    for i, out in enumerate(outputs):
+        if out.numel() != tensor.numel():
+            raise ValueError(
+                f"all_gather: tensor_list[{i}] has {out.numel()} elements (shape {tuple(out.shape)}) but the "
+                f"input has {tensor.numel()} (shape {tuple(tensor.shape)}); every output must match the input"
+            )
+    stage = Staging()
+    work = pg.backend.allgather([stage.output(t) for t in outputs], stage.input(tensor))
+    return stage.finish(work, async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                           async_op: bool = False) -> Work | None:
+    """``output_tensor`` is every rank's input concatenated along dim 0, in rank order."""
+    warnings.warn(
+        "all_gather_into_tensor is deprecated in PyTorch 2.13; use all_gather_single instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return all_gather_single(output_tensor, input_tensor, group, async_op)
+
+
+def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                      async_op: bool = False) -> Work | None:
+    """2.13's name of ``all_gather_into_tensor``."""
+    pg = member_group(group, "all_gather_single")
+    if pg is None:
+        return None
+    check_same_dtype("all_gather_single", [output_tensor, input_tensor])
+    if output_tensor.numel() != pg.size() * input_tensor.numel():
+        raise ValueError(
+            f"all_gather_single: the output has {output_tensor.numel()} elements; it must hold world_size "
+            f"({pg.size()}) x the input's {input_tensor.numel()}"
+        )
+    stage = Staging()
+    work = pg.backend.allgather_into_tensor(stage.output(output_tensor), stage.input(input_tensor))
+    return stage.finish(work, async_op)
+
+
+def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
+                         group=None, async_op: bool = False) -> Work | None:
+    """``all_gather`` of several tensors; ``output_tensor_lists[r][i]`` gets rank r's ``input_tensor_list[i]``."""
+    pg = member_group(group, "all_gather_coalesced")
+    if pg is None:
+        return None
+    outputs = check_list("all_gather_coalesced", output_tensor_lists, pg.size(), "output_tensor_lists")
+    for per_rank in outputs:
+        check_list("all_gather_coalesced", per_rank, len(input_tensor_list), "each output list")
+    check_same_dtype("all_gather_coalesced", [*input_tensor_list, *(t for lst in outputs for t in lst)])
+    stage = Staging()
+    works = [
+        pg.backend.allgather([stage.output(outputs[r][i]) for r in range(pg.size())], stage.input(inp))
+        for i, inp in enumerate(input_tensor_list)
+    ]
+    return stage.finish(all_of("all_gather_coalesced", works, [t for lst in outputs for t in lst]), async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
+           group=None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """The root's ``gather_list[i]`` receives rank i's ``tensor`` (root: ``dst``, default 0)."""
+    pg = member_group(group, "gather")
+    if pg is None:
+        return None
+    check_tensor("gather", tensor)
+    root = group_root(pg, "gather", dst, group_dst, default=0 if group_dst is None else None)
+    stage = Staging()
+    if pg.rank() == root:
+        if gather_list is None or len(gather_list) != pg.size():
+            size = 0 if gather_list is None else len(gather_list)
+            raise ValueError(f"gather: Incorrect output list size {size}. Output list size should be {pg.size()}")
+        check_same_dtype("gather", [tensor, *gather_list])
+        outputs = [stage.output(t) for t in gather_list]
+    else:
+        if gather_list:
+            raise ValueError("gather: requires empty output on non-root (gather_list is only given on dst)")
+        outputs = None
+    return stage.finish(pg.backend.gather(outputs, stage.input(tensor), root), async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
+            group=None, async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Rank i's ``tensor`` receives the root's ``scatter_list[i]`` (root: ``src``, default 0)."""
+    pg = member_group(group, "scatter")
+    if pg is None:
+        return None
+    check_tensor("scatter", tensor)
+    root = group_root(pg, "scatter", src, group_src, default=0 if group_src is None else None)
+    stage = Staging()
+    if pg.rank() == root:
+        if scatter_list is None or len(scatter_list) != pg.size():
+            size = 0 if scatter_list is None else len(scatter_list)
+            raise ValueError(f"scatter: Incorrect input list size {size}. Input list size should be {pg.size()}")
+        check_same_dtype("scatter", [tensor, *scatter_list])
+        inputs = [stage.input(t) for t in scatter_list]
+    else:
+        if scatter_list:
+            raise ValueError("scatter: requires empty input on non-root (scatter_list is only given on src)")
+        inputs = None
+    return stage.finish(pg.backend.scatter(stage.output(tensor), inputs, root), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
+                   group=None, async_op: bool = False) -> Work | None:
+    """Rank i's ``output`` receives the reduction over ranks of their ``input_list[i]``."""
+    pg = member_group(group, "reduce_scatter")
+    if pg is None:
+        return None
+    inputs = check_list("reduce_scatter", input_list, pg.size(), "input_list")
+    check_same_dtype("reduce_scatter", [output, *inputs])
+    _check_op("reduce_scatter", op, [output])
+    if inputs[pg.rank()].numel() != output.numel():
+        raise ValueError(
+            f"reduce_scatter: input_list[{pg.rank()}] has {inputs[pg.rank()].numel()} elements but the output "
+            f"has {output.numel()}; they must match"
+        )
+    stage = Staging()
+    work = pg.backend.reduce_scatter(stage.output(output), [stage.input(t) for t in inputs], op)
+    return stage.finish(work, async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None,
+                          async_op: bool = False) -> Work | None:
+    """Rank r's ``output`` receives chunk r (along dim 0) of the reduced ``input``."""
+    warnings.warn(
+        "reduce_scatter_tensor is deprecated in PyTorch 2.13; use reduce_scatter_single instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return reduce_scatter_single(output, input, op, group, async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None,
+                          async_op: bool = False) -> Work | None:
+    """2.13's name of ``reduce_scatter_tensor``."""
+    pg = member_group(group, "reduce_scatter_single")
+    if pg is None:
+        return None
+    check_same_dtype("reduce_scatter_single", [output, input])
+    _check_op("reduce_scatter_single", op, [output])
+    if input.numel() != pg.size() * output.numel():
+        raise ValueError(
+            f"reduce_scatter_single: the input has {input.numel()} elements; it must hold world_size "
+            f"({pg.size()}) x the output's {output.numel()}"
+        )
+    stage = Staging()
+    work = pg.backend.reduce_scatter_tensor(stage.output(output), stage.input(input), op)
+    return stage.finish(work, async_op)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group=None,
+               async_op: bool = False) -> Work | None:
+    """Rank i's ``output_tensor_list[j]`` receives rank j's ``input_tensor_list[i]``."""
+    pg = member_group(group, "all_to_all")
+    if pg is None:
+        return None
+    outputs = check_list("all_to_all", output_tensor_list, pg.size(), "output_tensor_list")
+    inputs = check_list("all_to_all", input_tensor_list, pg.size(), "input_tensor_list")
+    check_same_dtype("all_to_all", [*outputs, *inputs])
+    stage = Staging()
+    work = pg.backend.alltoall([stage.output(t) for t in outputs], [stage.input(t) for t in inputs])
+    return stage.finish(work, async_op)
+
+
+def _splits(op: str, tensor: torch.Tensor, sizes: list[int] | None, world: int, name: str) -> list[int]:
+    rows = tensor.shape[0] if tensor.dim() > 0 else tensor.numel()
+    if sizes is None or len(sizes) == 0:
+        if rows % world:
+            raise ValueError(f"{op}: dim 0 of the {name} ({rows}) is not divisible by world_size ({world}); "
+                             f"pass {name}_split_sizes")
+        return [rows // world] * world
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"{op}: {name}_split_sizes {sizes} must be {world} non-negative sizes summing to "
+                         f"dim 0 of the {name} ({rows})")
+    return sizes
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None,
+                      async_op: bool = False) -> Work | None:
+    """Split ``input`` along dim 0; chunk j goes to rank j, arriving as its chunk ``rank``."""
+    pg = member_group(group, "all_to_all_single")
+    if pg is None:
+        return None
+    check_same_dtype("all_to_all_single", [output, input])
+    if not output.is_contiguous() or not input.is_contiguous():
+        raise ValueError("Tensors must be contiguous")
+    world = pg.size()
+    out_sizes = _splits("all_to_all_single", output, output_split_sizes, world, "output")
+    in_sizes = _splits("all_to_all_single", input, input_split_sizes, world, "input")
+    stage = Staging()
+    out_chunks = [stage.output(t) for t in torch.split(output.view(-1) if output.dim() == 0 else output, out_sizes)]
+    in_chunks = [stage.input(t) for t in torch.split(input.view(-1) if input.dim() == 0 else input, in_sizes)]
+    return stage.finish(pg.backend.alltoall(out_chunks, in_chunks), async_op)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None) -> Work | None:
+    """Block until every rank of the group has arrived (and all earlier ops have finished)."""
+    pg = member_group(group, "barrier")
+    if pg is None:
+        return None
+    work = pg.backend.barrier()
+    if async_op:
+        return work
+    work.wait(timeout)
+    return None

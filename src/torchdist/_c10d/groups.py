@@ -1,0 +1,221 @@
+"""Creating groups (``new_group``, subgroups, ``split_group``) and mapping ranks.
+
+Every group gets a name equal on all its members (see ``World.next_group_name``);
+its store is the job's store under the prefix ``"<name>/"``, so each group's
+backend bootstraps (exchanges addresses) without colliding with any other group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from .._process_group.backend import ProcessGroupBackend
+from .._process_group.process_group import ProcessGroup
+from .._process_group.registry import Backend, backend_creator
+from .._store.base import as_timedelta
+from .._store.prefix_store import PrefixStore
+from .world import NON_GROUP_MEMBER, WORLD
+
+__all__ = [
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+    "get_group_rank",
+    "get_global_rank",
+    "get_process_group_ranks",
+]
+
+_DEFAULT_BACKEND_NAME = "auto"
+
+
+def build_group(
+    *,
+    ranks: list[int],
+    my_global_rank: int,
+    backend: str | None,
+    timeout: timedelta,
+    group_name: str,
+    group_desc: str,
+) -> ProcessGroup:
+    """Construct this rank's ProcessGroup over global ``ranks`` (group rank i = ranks[i])."""
+    store = PrefixStore(f"{group_name}/", WORLD.store)
+    group_rank = ranks.index(my_global_rank)
+    creator = backend_creator(backend)
+    if isinstance(creator, type) and issubclass(creator, ProcessGroupBackend):
+        impl = creator(store, group_rank, len(ranks), timeout, group_name=group_name, global_ranks=ranks)
+    else:  # a user's creator: PyTorch's signature
+        impl = creator(store, group_rank, len(ranks), timeout)
+    return ProcessGroup(
+        impl,
+        backend_name=str(Backend(backend)) if backend is not None else _DEFAULT_BACKEND_NAME,
+        global_ranks=ranks,
+        group_name=group_name,
+        group_desc=group_desc,
+        store=store,
+        timeout=timeout,
+    )
+
+
+def new_group(
+    ranks: list[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options=None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id=None,
+    sort_ranks: bool = True,
+) -> ProcessGroup:
+    """A group of ``ranks`` (global ranks). Every rank of the world calls it, in the
+    same order, unless ``use_local_synchronization`` (then only members call it).
+    Ranks outside the group get ``GroupMember.NON_GROUP_MEMBER``.
+    """
+    default = WORLD.require_default()
+    world_size = default.size()
+    ranks = list(range(world_size)) if ranks is None else [int(r) for r in ranks]
+    for r in ranks:
+        if not 0 <= r < world_size:
+            raise ValueError(f"new_group: rank {r} is out of range for world size {world_size}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks must be unique, got {ranks}")
+    if sort_ranks:
+        ranks = sorted(ranks)
+    name = WORLD.next_group_name(ranks, use_local_synchronization)
+    me = default.rank()
+    if me not in ranks:
+        return NON_GROUP_MEMBER
+    pg = build_group(
+        ranks=ranks,
+        my_global_rank=me,
+        backend=backend if backend is not None else _inherited_backend(default),
+        timeout=as_timedelta(timeout) if timeout is not None else default.timeout,
+        group_name=name,
+        group_desc=group_desc or "undefined",
+    )
+    WORLD.register(pg)
+    return pg
+
+
+def _inherited_backend(default: ProcessGroup) -> str | None:
+    name = default.name()
+    return None if name == _DEFAULT_BACKEND_NAME else name
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: list[list[int]],
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options=None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """One group per list of ranks; returns (the group holding this rank, all groups)."""
+    if not ranks_per_subgroup_list:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    world_size = WORLD.require_default().size()
+    owner: dict[int, int] = {}
+    for index, ranks in enumerate(ranks_per_subgroup_list):
+        for r in ranks:
+            if not 0 <= r < world_size:
+                raise ValueError(f"Rank {r} of subgroup {index} is out of range for world size {world_size}")
+            if r in owner:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {owner[r]} and {index}")
+            owner[r] = index
+    mine = None
+    subgroups = []
+    me = WORLD.require_default().rank()
+    for index, ranks in enumerate(ranks_per_subgroup_list):
+        pg = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
+        subgroups.append(pg)
+        if me in ranks:
+            mine = pg
+    return mine, subgroups
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options=None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split ``group`` (default: WORLD) into consecutive blocks of ``group_size`` ranks."""
+    if group_size is None:
+        raise ValueError(
+            "new_subgroups: group_size defaults to the number of GPUs per node, and torchdist runs on "
+            "CPU; pass group_size explicitly"
+        )
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    ranks = get_process_group_ranks(group)
+    if len(ranks) < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({len(ranks)})")
+    if len(ranks) % group_size:
+        raise ValueError(f"The world size ({len(ranks)}) must be divisible by 'group_size={group_size}'")
+    blocks = [ranks[i : i + group_size] for i in range(0, len(ranks), group_size)]
+    return new_subgroups_by_enumeration(blocks, timeout=timeout, backend=backend, group_desc=group_desc)
+
+
+def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: list[list[int]] | None = None,
+    timeout: timedelta | None = None,
+    pg_options=None,
+    group_desc: str | None = None,
+    backend: str | None = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` into disjoint groups; every parent member calls it.
+
+    Returns the group holding this rank, or None when no split names it.
+    """
+    parent = WORLD.resolve(parent_pg)
+    if parent is NON_GROUP_MEMBER:
+        return None
+    if not split_ranks:
+        raise ValueError("split_group: split_ranks must be a non-empty list of lists of global ranks")
+    seen: set[int] = set()
+    for ranks in split_ranks:
+        for r in ranks:
+            if r not in parent.global_ranks:
+                raise ValueError(f"split_group: rank {r} is not a member of the parent group {parent.global_ranks}")
+            if r in seen:
+                raise ValueError(f"split_group: rank {r} appears in more than one split: {split_ranks}")
+            seen.add(r)
+    me = parent.global_ranks[parent.rank()]
+    mine = next((sorted(r) for r in split_ranks if me in r), None)
+    if mine is None:
+        return None
+    pg = build_group(
+        ranks=mine,
+        my_global_rank=me,
+        backend=backend if backend is not None else _inherited_backend(parent),
+        timeout=as_timedelta(timeout) if timeout is not None else parent.timeout,
+        # Only this split's members name it, so the name comes from its member list.
+        group_name=WORLD.next_group_name(mine, use_local_synchronization=True),
+        group_desc=group_desc or f"split of {parent.group_name}",
+    )
+    WORLD.register(pg)
+    return pg
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    pg = WORLD.resolve(group)
+    if pg is NON_GROUP_MEMBER:
+        raise ValueError("Invalid process group specified: this rank is not a member")
+    return pg.global_ranks
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    pg = WORLD.resolve(group)
+    if pg is NON_GROUP_MEMBER:
+        raise ValueError("Invalid process group specified: this rank is not a member")
+    return WORLD.group_rank(pg, global_rank)
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    pg = WORLD.resolve(group)
+    if pg is NON_GROUP_MEMBER:
+        raise ValueError("Invalid process group specified: this rank is not a member")
+    return WORLD.global_rank(pg, group_rank)

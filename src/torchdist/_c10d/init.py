@@ -1,0 +1,201 @@
+"""Starting and stopping the default process group, and the queries about it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+from .._process_group.process_group import ProcessGroup
+from .._process_group.registry import Backend
+from .._store.base import Store, as_timedelta
+from .._store.file_store import FileStore
+from .._store.tcp_store import TCPStore
+from .._store.prefix_store import PrefixStore
+from .._store.rendezvous import rendezvous
+from ..errors import DistStoreError
+from .groups import build_group
+from .world import NON_GROUP_MEMBER, WORLD
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "is_initialized",
+    "is_available",
+    "is_torchelastic_launched",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_node_local_rank",
+    "default_pg_timeout",
+]
+
+logger = logging.getLogger(__name__)
+
+#: PyTorch's default timeout for CPU process groups.
+default_pg_timeout = timedelta(minutes=30)
+
+
+def is_available() -> bool:
+    """torchdist is always available: it needs nothing beyond torch and sockets."""
+    return True
+
+
+def is_initialized() -> bool:
+    return WORLD.default_pg is not None
+
+
+def is_torchelastic_launched() -> bool:
+    """True under an elastic launcher (torchdist-run or torchrun), which sets TORCHELASTIC_RUN_ID."""
+    return os.getenv("TORCHELASTIC_RUN_ID") is not None
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    pg_options=None,
+    device_id=None,
+) -> None:
+    """Join the default process group: rendezvous, wait for everyone, build the backend.
+
+    Exactly one of ``init_method`` (default ``"env://"``) and ``store`` says how ranks
+    meet. The call returns once all ``world_size`` ranks have arrived, or raises
+    ``DistStoreError`` when they have not within ``timeout`` (default 30 minutes).
+    """
+    if WORLD.default_pg is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    timeout = default_pg_timeout if timeout is None else as_timedelta(timeout)
+    if backend is not None:
+        backend = Backend(backend)
+
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("Cannot specify both init_method and store.")
+        if world_size <= 0:
+            raise ValueError(f"world_size must be positive if using store, got {world_size}")
+        if rank < 0:
+            raise ValueError(f"rank must be non-negative if using store, got {rank}")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0..{world_size - 1})")
+        owns_store = False
+    else:
+        store, rank, world_size = next(rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
+        owns_store = True
+    # The store inherits the group's timeout, so a missing peer surfaces as an error in time.
+    store.set_timeout(timeout)
+
+    # Wait for every rank before building the backend: the mesh bootstrap needs all of
+    # them anyway, and a rank that never comes is best reported by this barrier.
+    try:
+        if os.environ.get("TORCH_DIST_INIT_BARRIER", "1") != "0":
+            _store_based_barrier(PrefixStore("init", store), rank, world_size, timeout)
+    except BaseException:
+        if owns_store:
+            _close_store(store)
+        raise
+
+    WORLD.store, WORLD.owns_store = store, owns_store
+    try:
+        pg = build_group(
+            ranks=list(range(world_size)),
+            my_global_rank=rank,
+            backend=backend,
+            timeout=timeout,
+            group_name=group_name or "0",
+            group_desc="default_pg",
+        )
+    except BaseException:
+        destroy_process_group()
+        raise
+    WORLD.default_pg = pg
+    WORLD.register(pg)
+    logger.info("rank %d joined the default process group (world_size=%d, backend=%s)", rank, world_size, pg.name())
+
+
+def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Return once every rank has arrived, or raise naming how many did.
+
+    Each rank adds 1 to a counter; the last to arrive sets a "done" key that the
+    others wait for. One round trip each, no polling.
+    """
+    key = "store_based_barrier_key"
+    if store.add(key, 1) == world_size:
+        store.set(key + "/done", b"1")
+        return
+    try:
+        store.wait([key + "/done"], timeout)
+    except DistStoreError as exc:
+        joined = int(store.get(key)) if store.check([key]) else 0
+        raise DistStoreError(
+            f"Timed out initializing process group in store based barrier on rank {rank}, for key: {key} "
+            f"(world_size={world_size}, num_workers_joined={joined}, timeout={timeout}). "
+            f"{world_size - joined} rank(s) never called init_process_group: check that every rank was "
+            "started with the same world size and rendezvous address."
+        ) from exc
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Shut down ``group``, or with no argument every group (init may then run again)."""
+    if group is NON_GROUP_MEMBER:
+        return
+    if group is None or group is WORLD.default_pg:
+        for pg in list(WORLD.groups.values()):  # the default group is registered too
+            pg.shutdown()
+        store, owned = WORLD.store, WORLD.owns_store
+        WORLD.reset()
+        if owned:
+            _close_store(store)
+        return
+    pg = WORLD.resolve(group)
+    pg.shutdown()
+    WORLD.unregister(pg)
+
+
+#: How long the rank hosting the job's TCPStore waits, when the group is destroyed, for
+#: the other ranks to hang up before it stops the server under them.
+STORE_DRAIN_SECONDS = 10.0
+
+
+def _close_store(store: Store) -> None:
+    """Close a store init_process_group made; a TCPStore host first lets its clients leave."""
+    if isinstance(store, TCPStore):
+        store.close(drain=STORE_DRAIN_SECONDS)
+    elif isinstance(store, FileStore):
+        store.close()
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (global rank by default); -1 for a non-member."""
+    pg = WORLD.resolve(group)
+    return -1 if pg is NON_GROUP_MEMBER else pg.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    pg = WORLD.resolve(group)
+    return -1 if pg is NON_GROUP_MEMBER else pg.size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> Backend:
+    pg = WORLD.resolve(group)
+    if pg is NON_GROUP_MEMBER:
+        raise ValueError("Invalid process group specified")
+    return Backend(pg.name())
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """LOCAL_RANK from the launcher's environment, else ``fallback_rank``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment. Consider passing fallback_rank to allow "
+        "`get_node_local_rank` to work, assuming you are not running in a multi-device context "
+        "and want the code to run locally instead."
+    )
+

@@ -1,0 +1,166 @@
+"""Collectives of picklable Python objects, built on the tensor collectives.
+
+Each object travels as its pickle in a uint8 tensor, preceded by a collective of
+the byte counts so receivers can size their buffers (PyTorch's scheme). The object
+path is kept apart from the buffer path: nothing here touches a backend directly.
+
+Unpickling runs code chosen by the sender: only use these with peers you trust.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from . import collectives, p2p
+from ._args import group_root, member_group
+
+__all__ = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+]
+
+
+def _to_tensor(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    pickle.Pickler(buffer).dump(obj)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _from_tensor(tensor: torch.Tensor, size: int) -> Any:
+    return pickle.Unpickler(io.BytesIO(tensor[:size].numpy().tobytes())).load()
+
+
+def _sizes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.numel() for t in tensors], dtype=torch.long)
+
+
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
+                          group_src: int | None = None) -> None:
+    """Replace ``object_list``'s entries on every rank with the root's, in place."""
+    pg = member_group(group, "broadcast_object_list")
+    if pg is None:
+        return
+    root = group_root(pg, "broadcast_object_list", src, group_src)
+    sizes = torch.zeros(len(object_list), dtype=torch.long)
+    if pg.rank() == root:
+        tensors = [_to_tensor(obj) for obj in object_list]
+        sizes = _sizes(tensors)
+        payload = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
+    collectives.broadcast(sizes, group=pg, group_src=root)
+    if pg.rank() != root:
+        payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    collectives.broadcast(payload, group=pg, group_src=root)
+    if pg.rank() != root:
+        offset = 0
+        for i, size in enumerate(sizes.tolist()):
+            object_list[i] = _from_tensor(payload[offset:], size)
+            offset += size
+
+
+def _all_gather_padded(tensor: torch.Tensor, pg) -> tuple[list[torch.Tensor], list[int]]:
+    """All-gather byte tensors of different lengths: share lengths, pad to the longest."""
+    local_size = torch.tensor([tensor.numel()], dtype=torch.long)
+    all_sizes = [torch.zeros(1, dtype=torch.long) for _ in range(pg.size())]
+    collectives.all_gather(all_sizes, local_size, group=pg)
+    sizes = [int(s) for s in all_sizes]
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: tensor.numel()] = tensor
+    outputs = [torch.empty(longest, dtype=torch.uint8) for _ in range(pg.size())]
+    return outputs, sizes, padded
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group=None) -> None:
+    """``object_list[i]`` receives rank i's ``obj``."""
+    pg = member_group(group, "all_gather_object")
+    if pg is None:
+        return
+    if len(object_list) != pg.size():
+        raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries; it needs {pg.size()}")
+    outputs, sizes, padded = _all_gather_padded(_to_tensor(obj), pg)
+    collectives.all_gather(outputs, padded, group=pg)
+    for i, (tensor, size) in enumerate(zip(outputs, sizes)):
+        object_list[i] = _from_tensor(tensor, size)
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group=None,
+                  group_dst: int | None = None) -> None:
+    """The root's ``object_gather_list[i]`` receives rank i's ``obj`` (root: ``dst``, default 0)."""
+    pg = member_group(group, "gather_object")
+    if pg is None:
+        return
+    root = group_root(pg, "gather_object", dst, group_dst, default=0 if group_dst is None else None)
+    if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
+        raise ValueError(f"gather_object: object_gather_list must have {pg.size()} entries on the destination rank")
+    outputs, sizes, padded = _all_gather_padded(_to_tensor(obj), pg)
+    collectives.gather(padded, outputs if pg.rank() == root else None, group=pg, group_dst=root)
+    if pg.rank() == root:
+        for i, (tensor, size) in enumerate(zip(outputs, sizes)):
+            object_gather_list[i] = _from_tensor(tensor, size)
+
+
+def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
+                        src: int | None = None, group=None, group_src: int | None = None) -> None:
+    """Rank i's ``scatter_object_output_list[0]`` receives the root's ``scatter_object_input_list[i]``."""
+    pg = member_group(group, "scatter_object_list")
+    if pg is None:
+        return
+    if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1.")
+    root = group_root(pg, "scatter_object_list", src, group_src, default=0 if group_src is None else None)
+    longest = torch.zeros(1, dtype=torch.long)
+    if pg.rank() == root:
+        if scatter_object_input_list is None or len(scatter_object_input_list) != pg.size():
+            raise ValueError(
+                f"scatter_object_list: scatter_object_input_list must have {pg.size()} entries on the source rank"
+            )
+        tensors = [_to_tensor(obj) for obj in scatter_object_input_list]
+        sizes = _sizes(tensors)
+        longest[0] = int(sizes.max())
+    collectives.broadcast(longest, group=pg, group_src=root)
+    received = torch.empty(int(longest), dtype=torch.uint8)
+    received_size = torch.zeros(1, dtype=torch.long)
+    if pg.rank() == root:
+        padded = [torch.cat([t, torch.zeros(int(longest) - t.numel(), dtype=torch.uint8)]) for t in tensors]
+        collectives.scatter(received, padded, group=pg, group_src=root)
+        collectives.scatter(received_size, [s.reshape(1) for s in sizes], group=pg, group_src=root)
+    else:
+        collectives.scatter(received, None, group=pg, group_src=root)
+        collectives.scatter(received_size, None, group=pg, group_src=root)
+    scatter_object_output_list[0] = _from_tensor(received, int(received_size))
+
+
+def send_object_list(object_list: list[Any], dst: int | None = None, group=None, device=None,
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
+    """Send the objects of ``object_list`` to ``dst``, which calls ``recv_object_list``."""
+    pg = member_group(group, "send_object_list")
+    if pg is None:
+        return
+    tensors = [_to_tensor(obj) for obj in object_list]
+    p2p.send(_sizes(tensors), dst, pg, group_dst=group_dst)
+    p2p.send(torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8), dst, pg, group_dst=group_dst)
+
+
+def recv_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
+                     group_src: int | None = None, use_batch: bool = False) -> int:
+    """Fill ``object_list`` with the objects a peer sent; returns the sender's rank."""
+    pg = member_group(group, "recv_object_list")
+    if pg is None:
+        return -1
+    sizes = torch.zeros(len(object_list), dtype=torch.long)
+    sender = p2p.recv(sizes, src, pg, group_src=group_src)
+    payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    p2p.recv(payload, sender, pg)
+    offset = 0
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = _from_tensor(payload[offset:], size)
+        offset += size
+    return sender

@@ -1,0 +1,166 @@
+"""Point-to-point: send/recv, their async forms, ``batch_isend_irecv``, ``monitored_barrier``.
+
+Peers are global ranks (``dst``/``src``) or group ranks (``group_dst``/``group_src``);
+messages between a pair of ranks are matched by ``tag``. ``recv`` with no source
+takes the first matching message from any rank and returns the sender's rank.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from .._process_group.process_group import ProcessGroup
+from .._process_group.work import Work
+from ..errors import DistBackendError
+from ._args import Staging, check_tensor, group_root, member_group
+from .world import WORLD
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier"]
+
+# Tags below zero are reserved for torchdist's own traffic on the p2p channel.
+_MONITORED_BARRIER_TAG = -1
+_MONITORED_BARRIER_ACK_TAG = -2
+
+
+def _peer(pg: ProcessGroup, op: str, rank: int | None, group_rank: int | None, role: str) -> int:
+    if rank is None and group_rank is None:
+        raise ValueError(f"{op}: {role} rank must be given (as {role}= or group_{role}=)")
+    peer = group_root(pg, op, rank, group_rank)
+    if peer == pg.rank():
+        what = "destination" if role == "dst" else "source"
+        raise ValueError(
+            f"Invalid {what} rank: {what} rank should not be the same as the rank of the current process."
+        )
+    return peer
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; the Work completes once it is handed off."""
+    pg = member_group(group, "isend")
+    if pg is None:
+        return None
+    check_tensor("isend", tensor)
+    peer = _peer(pg, "isend", dst, group_dst, "dst")
+    return pg.backend.send(Staging().input(tensor), peer, tag)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+          group_src: int | None = None) -> Work | None:
+    """Start receiving into ``tensor`` from ``src`` (None: from any rank)."""
+    pg = member_group(group, "irecv")
+    if pg is None:
+        return None
+    check_tensor("irecv", tensor)
+    peer = None if src is None and group_src is None else _peer(pg, "irecv", src, group_src, "src")
+    stage = Staging()
+    return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag), async_op=True)
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    work = isend(tensor, dst, group, tag, group_dst)
+    if work is not None:
+        work.wait()
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor``; returns the sender's global rank (-1 for a non-member)."""
+    work = irecv(tensor, src, group, tag, group_src)
+    if work is None:
+        return -1
+    work.wait()
+    pg = WORLD.resolve(group)
+    sender = work._source_rank if work._source_rank >= 0 else group_root(pg, "recv", src, group_src)
+    return pg.global_ranks[sender]
+
+
+class P2POp:
+    """One send or receive for ``batch_isend_irecv``: ``P2POp(isend, tensor, peer)``."""
+
+    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int | None = None, group=None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        if op not in (isend, irecv):
+            raise ValueError(
+                "Invalid ``op``. Expected ``op`` to be of type ``torchdist.isend`` or ``torchdist.irecv``."
+            )
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp: peer or group_peer must be given")
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
+    """Start every send and receive of the list; returns their Works in list order."""
+    if not isinstance(p2p_op_list, list) or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError(
+            "Invalid ``p2p_op_list``. Each op is expected to to be of type ``torchdist.P2POp``."
+        )
+    if len({id(WORLD.resolve(p.group)) for p in p2p_op_list}) > 1:
+        raise ValueError("All ops need to use the same group.")
+    works = []
+    for p in p2p_op_list:
+        if p.op is isend:
+            work = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        else:
+            work = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive.
+
+    Every rank reports to group rank 0, which waits up to ``timeout`` (default: the
+    group's) and then either releases everyone or raises naming the missing ranks
+    (the first one, or all of them with ``wait_all_ranks``).
+    """
+    pg = member_group(group, "monitored_barrier")
+    if pg is None:
+        return
+    timeout = timeout if timeout is not None else pg.timeout
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    backend = pg.backend
+    token = torch.zeros(1, dtype=torch.uint8)
+    if pg.rank() != 0:
+        backend.send(token, 0, _MONITORED_BARRIER_TAG).wait()
+        try:
+            backend.recv(torch.zeros(1, dtype=torch.uint8), 0, _MONITORED_BARRIER_ACK_TAG).wait(seconds)
+        except DistBackendError as exc:
+            raise DistBackendError(
+                f"monitored_barrier: rank {pg.global_ranks[pg.rank()]} received errors while waiting for "
+                f"send/recv from rank {pg.global_ranks[0]}: {exc}"
+            ) from exc
+        return
+    deadline = time.monotonic() + seconds
+    pending = {peer: backend.recv(torch.zeros(1, dtype=torch.uint8), peer, _MONITORED_BARRIER_TAG)
+               for peer in range(1, pg.size())}
+    missing = []
+    for peer, work in pending.items():
+        try:
+            work.wait(max(deadline - time.monotonic(), 1e-3))
+        except DistBackendError:
+            missing.append(pg.global_ranks[peer])
+            if not wait_all_ranks:
+                break
+    if missing:
+        ms = int(seconds * 1000)
+        if wait_all_ranks:
+            names = ", ".join(map(str, missing))
+            raise DistBackendError(f"Ranks {names} failed to pass monitoredBarrier in {ms} ms")
+        raise DistBackendError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms")
+    for peer in range(1, pg.size()):
+        backend.send(token, peer, _MONITORED_BARRIER_ACK_TAG).wait()

@@ -1,0 +1,136 @@
+"""``Backend``: backend names (a ``str`` subclass, as in PyTorch) and the registry of creators.
+
+A *creator* is a callable ``creator(store, rank, size, timeout)`` returning a
+:class:`~torchdist._process_group.backend.ProcessGroupBackend`. Built-in backends
+register themselves lazily (importing a backend module costs time and may need
+optional libraries); users add theirs with ``Backend.register_backend``.
+
+Names: ``"tcp"`` (sockets), ``"shm"`` (shared memory on one host), ``"auto"`` (the
+default CPU backend), ``"gloo"`` (an alias of the default, so unmodified scripts run),
+``"mpi"``, ``"nccl"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+__all__ = ["Backend", "BackendConfig", "backend_creator", "is_backend_available"]
+
+# Built-in backends: name -> "module:attribute" of the creator, imported on first use.
+_BUILTIN_CREATORS: dict[str, str] = {
+    "tcp": "torchdist._process_group.backends.tcp:TcpBackend",
+    "shm": "torchdist._process_group.backends.shm:ShmBackend",
+    "auto": "torchdist._process_group.backends.auto:AutoBackend",
+}
+# Names that mean "the default CPU backend".
+_DEFAULT_ALIASES = ("auto", "gloo")
+_DEFAULT_CPU_BACKEND = "tcp"
+
+_custom_creators: dict[str, Callable] = {}
+
+
+class Backend(str):
+    """A backend name, lower-cased and validated: ``Backend("GLOO") == "gloo"``."""
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+    XCCL = "xccl"
+    TCP = "tcp"
+    SHM = "shm"
+    AUTO = "auto"
+
+    backend_list = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, TCP, SHM, AUTO]
+    default_device_backend_map = {"cpu": GLOO}
+
+    def __new__(cls, name: str) -> "Backend":
+        if not isinstance(name, str):
+            raise ValueError("Backend constructor parameter must be string-ish")
+        value = getattr(Backend, name.upper(), Backend.UNDEFINED)
+        if value == Backend.UNDEFINED:
+            value = name.lower()
+        return super().__new__(cls, value)
+
+    @classmethod
+    def register_backend(
+        cls,
+        name: str,
+        func: Callable,
+        extended_api: bool = False,
+        devices: str | list[str] | None = None,
+    ) -> None:
+        """Register ``func(store, rank, size, timeout) -> ProcessGroupBackend`` under ``name``."""
+        if not callable(func):
+            raise TypeError(f"register_backend: the creator for {name!r} must be callable")
+        key = name.lower()
+        if hasattr(Backend, name.upper()) or key in _custom_creators:
+            raise ValueError(f"{name.upper()} c10d backend already exist")
+        setattr(Backend, name.upper(), key)
+        Backend.backend_list.append(key)
+        _custom_creators[key] = func
+
+
+class BackendConfig:
+    """The device -> backend map of a backend string such as ``"cpu:tcp,cuda:nccl"``."""
+
+    def __init__(self, backend: str) -> None:
+        backend = Backend(backend)
+        self.device_backend_map: dict[str, str] = {}
+        if ":" not in backend:
+            self.device_backend_map["cpu"] = str(backend)
+            return
+        for pair in backend.split(","):
+            device, sep, name = pair.partition(":")
+            if not sep or not device or not name:
+                raise ValueError(
+                    f"Invalid device:backend pairing {pair!r} in backend string {backend!r}; "
+                    "the format is '<device>:<backend>,<device>:<backend>', e.g. 'cpu:gloo,cuda:nccl'"
+                )
+            if device in self.device_backend_map:
+                raise ValueError(f"Duplicate device type {device} in backend string {backend!r}")
+            self.device_backend_map[device] = Backend(name)
+
+    def get_device_backend_map(self) -> dict[str, str]:
+        return dict(self.device_backend_map)
+
+    def __repr__(self) -> str:
+        return ",".join(f"{d}:{b}" for d, b in self.device_backend_map.items())
+
+
+def resolve_cpu_backend(backend: str | None) -> str:
+    """The registered name that serves CPU tensors for ``backend`` (None = default)."""
+    if backend is None:
+        return _DEFAULT_CPU_BACKEND
+    config = BackendConfig(backend)
+    name = config.device_backend_map.get("cpu")
+    if name is None:
+        raise ValueError(
+            f"backend {backend!r} names no backend for CPU tensors; torchdist runs on CPU, "
+            "so give e.g. 'cpu:gloo' or leave backend=None"
+        )
+    return _DEFAULT_CPU_BACKEND if name in _DEFAULT_ALIASES else name
+
+
+def is_backend_available(name: str) -> bool:
+    try:
+        backend_creator(name)
+    except (ValueError, RuntimeError, ImportError):
+        return False
+    return True
+
+
+def backend_creator(name: str) -> Callable:
+    """The creator registered under ``name``; ValueError for unknown names."""
+    name = resolve_cpu_backend(name)
+    if name in _custom_creators:
+        return _custom_creators[name]
+    target = _BUILTIN_CREATORS.get(name)
+    if target is None:
+        known = sorted(set(_BUILTIN_CREATORS) | set(_custom_creators) | set(_DEFAULT_ALIASES))
+        raise ValueError(f"Invalid backend: {name!r}. Available backends: {known}, or register one "
+                         "with Backend.register_backend")
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)

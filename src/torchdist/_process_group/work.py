@@ -1,0 +1,174 @@
+"""``Work``: the handle of one collective or point-to-point operation.
+
+State machine (transitions happen once, under a lock)::
+
+    PENDING ──_complete(result)──▶ COMPLETED    wait() returns True, result() gives the outputs
+       │
+       └─────_fail(exc)──────────▶ FAILED       wait() re-raises exc, exception() returns it
+
+A backend that finishes an op on the caller's thread hands back a Work that is
+already COMPLETED; one that queues the op on its progress thread completes the
+Work from there. ``get_future()`` returns a ``torch.futures.Future`` tied to the same
+outcome, so DDP comm hooks and ``torch.futures.wait_all`` compose with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from ..errors import DistBackendError
+
+__all__ = ["Work", "WorkState"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkState(enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Work:
+    """Handle of an operation in flight; ``wait()`` blocks until it is done or failed."""
+
+    def __init__(self, op_name: str = "", outputs: list[torch.Tensor] | None = None) -> None:
+        self.op_name = op_name
+        self._outputs = outputs if outputs is not None else []
+        self._state = WorkState.PENDING
+        self._exception: BaseException | None = None
+        self._source_rank = -1
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future | None = None
+        self._callbacks: list[Callable[["Work"], None]] = []
+
+    @classmethod
+    def completed(cls, op_name: str, outputs: list[torch.Tensor] | None = None) -> "Work":
+        """A Work for an op that already finished on the caller's thread."""
+        work = cls(op_name, outputs)
+        work._complete()
+        return work
+
+    # -- completion (called by backends) -------------------------------------------
+    def _complete(self, source_rank: int | None = None) -> None:
+        with self._lock:
+            if self._state is not WorkState.PENDING:
+                return
+            if source_rank is not None:
+                self._source_rank = source_rank
+            self._state = WorkState.COMPLETED
+            callbacks, self._callbacks = self._callbacks, []
+        self._run_callbacks(callbacks)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._state is not WorkState.PENDING:
+                return
+            self._exception = exc
+            self._state = WorkState.FAILED
+            callbacks, self._callbacks = self._callbacks, []
+        self._run_callbacks(callbacks)
+
+    def _run_callbacks(self, callbacks: list[Callable[["Work"], None]]) -> None:
+        # Callbacks run before waiters wake: the API layer copies staged outputs back
+        # into non-contiguous tensors here, and wait() must not return before that.
+        for callback in callbacks:
+            try:
+                callback(self)
+            except BaseException as exc:  # a broken callback must not leave waiters hanging
+                logger.exception("%s: a completion callback raised", self.op_name)
+                if self._exception is None:
+                    self._exception = exc
+                    self._state = WorkState.FAILED
+        self._done.set()
+
+    def _on_done(self, callback: Callable[["Work"], None]) -> None:
+        """Run ``callback(self)`` once the Work leaves PENDING (at once if it has)."""
+        with self._lock:
+            if self._state is WorkState.PENDING:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    # -- the public API ------------------------------------------------------------
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the op finishes; re-raise its error. Returns True.
+
+        ``timeout`` (a timedelta or seconds; None or 0 means no limit beyond the
+        group's own) raises ``DistBackendError`` if the op is still running then.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._done.wait(seconds if seconds else None):
+            raise DistBackendError(
+                f"Work.wait: {self.op_name} did not complete within {seconds:.3f}s; the operation "
+                "is still in flight. Wait longer, or check that every rank called it."
+            )
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._state is WorkState.COMPLETED
+
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the rank that sent the message."""
+        if self._source_rank < 0:
+            raise ValueError(f"{self.op_name}: source_rank() is only defined for a recv from any source")
+        return self._source_rank
+
+    def _get_op_type(self) -> str:
+        return self.op_name
+
+    def synchronize(self) -> None:
+        """CPU ops have no device stream: same as wait()."""
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def get_future_result(self) -> torch.futures.Future:
+        return self.get_future()
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed with the output tensors (or the error)."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+            pending = self._state is WorkState.PENDING
+            if pending:
+                self._callbacks.append(_resolve_future)
+        if not pending:
+            _resolve_future(self)
+        return self._future
+
+    def __repr__(self) -> str:
+        return f"Work({self.op_name}, {self._state.value})"
+
+
+def _resolve_future(work: Work) -> None:
+    future = work._future
+    if future is None or future.done():
+        return
+    if work._exception is not None:
+        future.set_exception(work._exception)
+    else:
+        future.set_result(work._outputs)
+

@@ -1,0 +1,164 @@
+"""Single-process behaviour of the c10d objects: ReduceOp, Backend, Work, and queries before init."""
+
+import copy
+import pickle
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import torchdist as dist
+from torchdist._process_group.work import Work
+
+
+@pytest.mark.parametrize("name", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
+def test_reduce_op_members_are_instances_and_roundtrip(name):
+    op = getattr(dist.ReduceOp, name)
+    assert isinstance(op, dist.ReduceOp)
+    assert dist.ReduceOp(op) == op
+    assert op == dist.ReduceOp(op)
+    assert copy.copy(dist.ReduceOp(op)) == op
+    assert copy.deepcopy(dist.ReduceOp(op)) == op
+    assert pickle.loads(pickle.dumps(dist.ReduceOp(op))) == op
+    assert pickle.loads(pickle.dumps(op)) == op
+
+
+def test_reduce_op_compares_unequal_to_unrelated_objects():
+    assert dist.ReduceOp(dist.ReduceOp.SUM) != "SUM"
+    assert dist.ReduceOp(dist.ReduceOp.SUM) != dist.ReduceOp.MAX
+    premul = dist._make_nccl_premul_sum(0.5)
+    assert premul.op == dist.ReduceOp.PREMUL_SUM and premul.factor == 0.5
+    assert dist.supports_complex(dist.ReduceOp.SUM) and not dist.supports_complex(dist.ReduceOp.MAX)
+
+
+def test_backend_names():
+    assert dist.Backend("GLOO") == "gloo"
+    assert dist.Backend("Tcp") == "tcp"
+    for bad in (None, 3, ["gloo"]):
+        with pytest.raises(ValueError, match="string-ish"):
+            dist.Backend(bad)
+    assert dist.BackendConfig("cpu:gloo,cuda:nccl").get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    for bad in ("cpu:gloo,", "cpu:gloo,cpu:tcp", "cpu-gloo:"):
+        with pytest.raises(ValueError):
+            dist.BackendConfig(bad)
+
+
+def test_queries_before_init_raise():
+    assert not dist.is_initialized()
+    assert dist.is_available()
+    for query in (dist.get_rank, dist.get_world_size, dist.get_backend):
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            query()
+
+
+def test_get_node_local_rank(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dist.get_node_local_rank(fallback_rank=3) == 1
+
+
+def test_is_torchelastic_launched(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not dist.is_torchelastic_launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert dist.is_torchelastic_launched()
+
+
+def test_work_lifecycle_and_future():
+    out = torch.ones(2)
+    work = Work("all_reduce", [out])
+    future = work.get_future()
+    assert not work.is_completed() and not future.done()
+    threading.Timer(0.05, work._complete).start()
+    assert work.wait() is True
+    assert work.is_completed() and work.is_success() and work.exception() is None
+    assert future.wait()[0] is out
+    assert work.result()[0] is out
+
+
+def test_work_failure_is_reraised_everywhere():
+    work = Work("broadcast")
+    error = dist.DistBackendError("peer died")
+    work._fail(error)
+    with pytest.raises(dist.DistBackendError, match="peer died"):
+        work.wait()
+    assert work.exception() is error and not work.is_success()
+    with pytest.raises(dist.DistBackendError, match="peer died"):
+        work.get_future().wait()
+
+
+def test_work_wait_timeout_names_the_op():
+    work = Work("all_gather")
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match="all_gather did not complete"):
+        work.wait(timedelta(milliseconds=100))
+    assert time.monotonic() - start < 2
+
+
+def test_init_process_group_argument_errors():
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="both init_method and store"):
+        dist.init_process_group(store=store, init_method="env://", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="world_size must be positive"):
+        dist.init_process_group(store=store, rank=0)
+    with pytest.raises(ValueError, match="rank must be non-negative"):
+        dist.init_process_group(store=store, world_size=1)
+    with pytest.raises(ValueError, match="out of range"):
+        dist.init_process_group(store=store, rank=2, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_env_rendezvous_missing_variables(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="environment variable RANK expected, but not set"):
+        dist.init_process_group("tcp")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE expected"):
+        dist.init_process_group("tcp")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="MASTER_ADDR expected"):
+        dist.init_process_group("tcp")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match="MASTER_PORT expected"):
+        dist.init_process_group("tcp")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ValueError, match="rank 3 is out of range for world_size 1"):
+        dist.init_process_group("tcp")
+    assert not dist.is_initialized()
+
+
+def test_rendezvous_url_errors():
+    with pytest.raises(RuntimeError, match="No rendezvous handler for invalid://"):
+        dist.rendezvous("invalid://")
+    with pytest.raises(ValueError, match="port number missing"):
+        next(dist.rendezvous("tcp://127.0.0.1?rank=0&world_size=1"))
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        next(dist.rendezvous("tcp://127.0.0.1:1234?world_size=1"))
+    with pytest.raises(ValueError, match="world size parameter missing"):
+        next(dist.rendezvous("tcp://127.0.0.1:1234?rank=0"))
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        next(dist.rendezvous("file:///tmp/x?world_size=1"))
+    with pytest.raises(ValueError, match="path missing"):
+        next(dist.rendezvous("file://?rank=0&world_size=1"))
+    with pytest.raises(AssertionError, match="node-specific arguments"):
+        dist.rendezvous("tcp://127.0.0.1:1234?rank=0&world_size=1", rank=0, world_size=1)
+
+
+def test_register_rendezvous_handler_adds_a_scheme():
+    store = dist.HashStore()
+
+    def handler(url, **kwargs):
+        yield store, 0, 1
+
+    dist.register_rendezvous_handler("unittest-mem", handler)
+    got_store, rank, world_size = next(dist.rendezvous("unittest-mem://anything"))
+    assert (got_store, rank, world_size) == (store, 0, 1)
+    with pytest.raises(RuntimeError, match="already registered"):
+        dist.register_rendezvous_handler("unittest-mem", handler)

@@ -1,0 +1,154 @@
+"""init_process_group through every init method and world sizes 1-4, and its failure modes."""
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+
+import torchdist as dist
+from torchdist.testing import RanksFailed, run_ranks
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def _check_joined(rank, world_size):
+    assert dist.is_initialized()
+    assert dist.get_rank() == rank
+    assert dist.get_world_size() == world_size
+    dist.barrier()
+    return dist.get_backend()
+
+
+def _init_and_check(rank, world_size, how, path):
+    timeout = timedelta(seconds=30)
+    if how == "env":
+        dist.init_process_group("tcp", timeout=timeout)
+    elif how == "env-args":  # explicit rank/world_size win over the environment
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "99", "99"
+        dist.init_process_group("tcp", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    elif how == "tcp":
+        url = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+        dist.init_process_group("tcp", init_method=url, rank=rank, world_size=world_size, timeout=timeout)
+    elif how == "tcp-query":
+        url = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}?rank={rank}&world_size={world_size}"
+        dist.init_process_group("tcp", init_method=url, timeout=timeout)
+    elif how == "file":
+        dist.init_process_group("tcp", init_method=f"file://{path}", rank=rank, world_size=world_size,
+                                timeout=timeout)
+    elif how == "store":
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world_size, is_master=rank == 0,
+                              timeout=timeout)
+        dist.init_process_group("tcp", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        return _check_joined(rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("how", ["env", "env-args", "tcp", "tcp-query", "file", "store"])
+def test_init_methods(how, world_size, tmp_path):
+    backends = run_ranks(_init_and_check, world_size, args=(how, str(tmp_path / "store")), timeout=60)
+    assert backends == ["tcp"] * world_size
+
+
+def _default_backend_is_auto(rank, world_size):
+    return dist.get_backend(), dist.get_backend(dist.group.WORLD)
+
+
+def test_gloo_is_accepted_as_a_backend_name():
+    assert run_ranks(_default_backend_is_auto, 2, backend="gloo") == [("gloo", "gloo")] * 2
+
+
+def _init_default(rank, world_size):
+    dist.init_process_group()
+    try:
+        return dist.get_backend()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_with_no_arguments_uses_env_and_the_default_backend():
+    assert run_ranks(_init_default, 2) == ["auto", "auto"]
+
+
+def _twice_then_reinit(rank, world_size):
+    with pytest.raises(ValueError, match="trying to initialize the default process group twice!"):
+        dist.init_process_group("tcp")
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="has not been initialized"):
+        dist.get_world_size()
+    # A second job on a fresh store: the same ranks meet again.
+    store_path = os.environ["REINIT_FILE"]
+    dist.init_process_group("tcp", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    dist.barrier()
+    return dist.get_world_size()
+
+
+def test_double_init_raises_and_destroy_allows_reinit(tmp_path):
+    results = run_ranks(_twice_then_reinit, 2, backend="tcp", env={"REINIT_FILE": str(tmp_path / "again")})
+    assert results == [2, 2]
+
+
+def _world_never_fills(rank, world_size, how, path):
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError) as info:
+        if how == "env":
+            dist.init_process_group("tcp", timeout=timedelta(seconds=2))
+        else:
+            dist.init_process_group("tcp", init_method=f"file://{path}", rank=0, world_size=3,
+                                    timeout=timedelta(seconds=2))
+    elapsed = time.monotonic() - start
+    assert not dist.is_initialized()
+    return elapsed, str(info.value)
+
+
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_world_size_that_never_fills_raises_within_the_timeout(how, tmp_path):
+    # One process that claims a world of 3: the other ranks never come.
+    [(elapsed, message)] = run_ranks(_world_never_fills, 1, args=(how, str(tmp_path / "s")),
+                                     env={"WORLD_SIZE": "3"}, timeout=30)
+    assert 1.5 < elapsed < 6, elapsed
+    assert "1/3" in message or "num_workers_joined=1" in message, message
+
+
+def _store_inherits_pg_timeout(rank, world_size):
+    dist.init_process_group("tcp", timeout=timedelta(seconds=1))
+    try:
+        store = dist.group.WORLD.get_group_store()
+        start = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="timeout"):
+            store.get("never-set")
+        return time.monotonic() - start
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_store_inherits_the_group_timeout():
+    [elapsed] = run_ranks(_store_inherits_pg_timeout, 1)
+    assert elapsed < 3
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise KeyError("rank one failed on purpose")
+    return rank
+
+
+def test_harness_reports_the_failing_rank_of_an_initialized_job():
+    with pytest.raises(RanksFailed, match="rank one failed on purpose"):
+        run_ranks(_raise_on_rank_one, 2, backend="tcp")
+
+
+def _return_at_once(rank, world_size):
+    return rank
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_rank_hosting_the_store_waits_for_the_others_to_leave(world_size):
+    # Rank 0 hosts the store; if it returned and exited at once, peers still reading
+    # their init-barrier reply would see a connection reset. Repeat to catch the race.
+    for _ in range(5):
+        assert run_ranks(_return_at_once, world_size, backend="tcp") == list(range(world_size))
