@@ -1,0 +1,119 @@
+"""Which algorithm runs each collective, by message size and group size.
+
+The crossovers were measured with ``python benchmarks/bench_collectives.py --sweep``
+(all-reduce with each algorithm forced through ``TORCHDIST_ALGO_ALLREDUCE``; TCP over
+loopback on the 2-core development VM; median of the slowest rank, best of 2-3
+alternating runs). The VM was shared and loaded (load average 4-9) during the
+sweep, so single numbers vary by +-30%; the orders of magnitude below held in
+every repetition.
+
+all-reduce, world 2, median us (bytes: direct / recursive doubling / ring)::
+
+    8: 229 / 52 / 80      4 KiB: 241 / 53 / 240     32 KiB: 267 / 60 / 266
+    128 KiB: 376 / 101 / 321      512 KiB: 742 / 242 / 641      2 MiB: 2800 / 1246 / 2841
+    (a later, busier repetition: 8 B 226 / 197 / 234, 4 KiB 239 / 210 / 239)
+
+At p = 2 recursive doubling and ring move the same bytes (n per rank) but ring
+takes two steps, so recursive doubling wins up to the largest size swept; the
+ring still runs above 4 MiB, where reducing as data arrives and needing only
+n/p of scratch pay off.
+
+all-reduce, world 4, median us (direct / recursive doubling / ring)::
+
+    8: 849 / 946 / 693*   4 KiB: 897 / 675 / 591   32 KiB: 1056 / 794 / 723
+    128 KiB: 1558 / 1401 / 808   512 KiB: 3400 / 3543 / 1801   2 MiB: 23669 / 13614 / 9666
+    (* 2 elements < p: the ring falls back to direct)
+
+so at p = 4 the ring wins from ~32 KiB; below, the three are within noise and
+recursive doubling (fewest bytes, no p x n scratch) is used for powers of two,
+direct (one step instead of 2 + log2 p) otherwise.
+
+=================  ================================  ======================================
+collective         small (< threshold)               large
+=================  ================================  ======================================
+all-reduce         recursive doubling (p = 2^k),     ring reduce-scatter + all-gather
+                   direct (other p)
+all-gather         direct (1 step)                   ring
+reduce-scatter     direct (1 step)                   ring
+broadcast          binomial tree                     pipelined chain (p >= 3)
+reduce             binomial tree                     ring reduce-scatter + gather
+all-to-all         direct (1 step)                   pairwise exchange
+=================  ================================  ======================================
+
+The gather/scatter-style thresholds (32 KiB per rank, 256 KiB for broadcast) were
+not swept separately: they follow the all-reduce crossover at p = 4.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+__all__ = ["Algo", "allreduce_algo", "allgather_algo", "reduce_scatter_algo", "broadcast_algo",
+           "reduce_algo", "alltoall_pairwise", "CHAIN_SEGMENT"]
+
+
+class Algo(enum.Enum):
+    DIRECT = "direct"
+    RECURSIVE_DOUBLING = "recursive_doubling"
+    RING = "ring"
+    BINOMIAL = "binomial"
+    CHAIN = "chain"
+
+
+#: Pipeline segment of the chain broadcast (bytes).
+CHAIN_SEGMENT = 1 << 20
+
+# Per-message byte thresholds below which the latency-optimal algorithm runs,
+# indexed by group size (clamped to the last entry). Measured; see the docstring.
+_ALLREDUCE_SMALL = {2: 4 << 20, 3: 32 << 10, 4: 32 << 10}
+_GATHER_SMALL = 32 << 10
+_BROADCAST_SMALL = 256 << 10
+
+
+def _forced(name: str) -> Algo | None:
+    """``TORCHDIST_ALGO_<COLLECTIVE>=ring`` forces an algorithm (for the benchmark sweep)."""
+    value = os.environ.get(f"TORCHDIST_ALGO_{name}")
+    return Algo(value) if value else None
+
+
+def allreduce_algo(nbytes: int, size: int) -> Algo:
+    forced = _forced("ALLREDUCE")
+    if forced is not None:
+        return forced
+    threshold = _ALLREDUCE_SMALL.get(size, 16 << 10)
+    if nbytes < threshold or nbytes < size * 64:
+        return Algo.RECURSIVE_DOUBLING if size & (size - 1) == 0 else Algo.DIRECT
+    return Algo.RING
+
+
+def allgather_algo(nbytes_per_rank: int, size: int) -> Algo:
+    forced = _forced("ALLGATHER")
+    if forced is not None:
+        return forced
+    return Algo.DIRECT if nbytes_per_rank * (size - 1) < _GATHER_SMALL or size <= 2 else Algo.RING
+
+
+def reduce_scatter_algo(nbytes_per_rank: int, size: int) -> Algo:
+    forced = _forced("REDUCE_SCATTER")
+    if forced is not None:
+        return forced
+    return Algo.DIRECT if nbytes_per_rank * (size - 1) < _GATHER_SMALL or size <= 2 else Algo.RING
+
+
+def broadcast_algo(nbytes: int, size: int) -> Algo:
+    forced = _forced("BROADCAST")
+    if forced is not None:
+        return forced
+    return Algo.BINOMIAL if nbytes < _BROADCAST_SMALL or size <= 2 else Algo.CHAIN
+
+
+def reduce_algo(nbytes: int, size: int) -> Algo:
+    forced = _forced("REDUCE")
+    if forced is not None:
+        return forced
+    return Algo.BINOMIAL if nbytes < _ALLREDUCE_SMALL.get(size, 16 << 10) else Algo.RING
+
+
+def alltoall_pairwise(nbytes_per_peer: int, size: int) -> bool:
+    return nbytes_per_peer * (size - 1) >= _GATHER_SMALL

@@ -1,0 +1,1 @@
+"""Concrete backends; each module registers nothing itself (see ``..registry``)."""

@@ -1,0 +1,114 @@
+"""Matching arriving messages to posted receives; shared by every transport.
+
+Rules (the same for TCP, loopback and shared memory):
+
+- COLL messages from one peer are matched, in order, to the collective receives
+  posted for that peer, oldest first. The message must carry the receiver's
+  sequence number, fingerprint and byte count; otherwise the ranks disagree about
+  the op and :func:`mismatch_error` names both ops, both ranks and the seq.
+- A COLL message with no receive posted yet means the peer is ahead. The
+  transport *parks* that peer (stops reading it, so the data waits in the
+  kernel and the sender is throttled) until a receive is posted. Only when the
+  peer hangs up does the transport drain parked messages into ``coll_early``.
+- P2P messages match the oldest posted P2P receive with the same tag whose source
+  is the sender or "any". Unmatched ones are kept whole in arrival order
+  (``p2p_early``), so they are never mistaken for collective traffic and later
+  receives find them.
+- ABORT messages carry the reason a peer broke the group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..errors import DistBackendError
+from .base import Transfer
+from .framing import Header, MsgKind
+
+__all__ = ["Matcher", "mismatch_error", "check_match", "KIND", "TAG", "NBYTES"]
+
+# Positions in a header's field tuple (see framing.HEADER).
+KIND, SEQ, TAG, NBYTES = 0, 5, 6, 8
+
+
+def mismatch_error(label: str, me: str, mine: Transfer, peer: str, header: Header) -> DistBackendError:
+    """The error for a collective message that does not match the receiver's op."""
+    ours = f"collective #{mine.seq} {mine.fingerprint.describe()}"
+    theirs = f"collective #{header.seq} {header.fingerprint.describe()}"
+    if header.kind is MsgKind.COLL and header.seq == mine.seq and header.fingerprint == mine.fingerprint:
+        detail = (f"both ranks are at {ours}, but rank {peer} sent {header.nbytes} bytes where rank {me} "
+                  f"expects {mine.nbytes} (sizes differ across ranks)")
+    else:
+        detail = f"rank {me} is at {ours} but rank {peer} sent a message of {theirs}"
+    return DistBackendError(
+        f"{label}: collective mismatch at sequence number {mine.seq}: {detail}. Every rank must call the "
+        "same collectives, in the same order, with the same dtype, element count, root and reduce op."
+    )
+
+
+class Matcher:
+    """Posted receives and early arrivals of one rank; driven by one thread."""
+
+    def __init__(self, size: int) -> None:
+        self.coll_posted: list[deque[Transfer]] = [deque() for _ in range(size)]
+        # Filled only while draining a peer that hung up: (header, payload).
+        self.coll_early: list[deque[tuple[tuple, bytes]]] = [deque() for _ in range(size)]
+        self.p2p_posted: list[Transfer] = []
+        self.p2p_early: deque[tuple[int, tuple, bytes]] = deque()
+
+    def post(self, transfer: Transfer) -> tuple[tuple, bytes] | None:
+        """Register a receive. Returns an early (header fields, payload) it must consume now.
+
+        Headers travel as the tuple ``HEADER.unpack`` gives (kind, op, dtype, redop,
+        root, seq, tag, numel, nbytes, ...): comparing tuples is the cheap path."""
+        if transfer.kind is MsgKind.COLL:
+            early = self.coll_early[transfer.peer]
+            if early:
+                return early.popleft()
+            self.coll_posted[transfer.peer].append(transfer)
+            return None
+        for index, (src, header, payload) in enumerate(self.p2p_early):
+            if header[TAG] == transfer.tag and transfer.peer in (None, src):
+                del self.p2p_early[index]
+                transfer.source = src
+                return header, payload
+        self.p2p_posted.append(transfer)
+        return None
+
+    def match(self, peer: int, header: tuple) -> Transfer | None:
+        """The posted receive for an arriving COLL/P2P header, or None (COLL: park; P2P: keep)."""
+        if header[KIND] == MsgKind.COLL:
+            posted = self.coll_posted[peer]
+            return posted.popleft() if posted else None
+        tag = header[TAG]
+        for index, transfer in enumerate(self.p2p_posted):
+            if transfer.tag == tag and transfer.peer in (None, peer):
+                del self.p2p_posted[index]
+                transfer.source = peer
+                return transfer
+        return None
+
+    def pending(self) -> bool:
+        return bool(self.p2p_posted) or any(self.coll_posted)
+
+    def all_posted(self) -> list[Transfer]:
+        posted = [t for queue in self.coll_posted for t in queue] + self.p2p_posted
+        for queue in self.coll_posted:
+            queue.clear()
+        self.p2p_posted = []
+        return posted
+
+
+def check_match(label: str, names: list[int], rank: int, transfer: Transfer, peer: int,
+                header: tuple) -> None:
+    """Raise if ``header`` (fields, from ``peer``) is not the message ``transfer`` waits for."""
+    if header[KIND] == MsgKind.COLL:
+        if header[:9] != transfer.key:  # seq, fingerprint and size at once
+            raise mismatch_error(label, str(names[rank]), transfer, str(names[peer]),
+                                 Header.from_fields(header))
+    elif header[NBYTES] != transfer.nbytes:
+        raise DistBackendError(
+            f"{label}: rank {names[peer]} sent {header[NBYTES]} bytes with tag {header[TAG]} but rank "
+            f"{names[rank]}'s recv expects {transfer.nbytes} bytes; send and recv tensors must have the "
+            "same size and dtype."
+        )

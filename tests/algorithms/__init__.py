@@ -1,0 +1,1 @@
+"""Tests of torchdist._algorithms over the loopback transport."""
