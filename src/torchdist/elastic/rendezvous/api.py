@@ -1,0 +1,282 @@
+"""The rendezvous interface: how the agents of a job agree on who takes part in a round.
+
+A *node* is one agent (one launcher process) and its local workers. A *round* is
+one agreement: a list of participating nodes, in group-rank order. The agents
+start their workers after a round forms, and form a new round when the worker
+group must restart (a failure, a node that joined or left).
+
+::
+
+    RendezvousError                 anything that went wrong in a rendezvous
+     ├── RendezvousTimeoutError     the round did not form within ``join_timeout``
+     ├── RendezvousClosedError      the job finished (or was closed); a late node leaves
+     ├── RendezvousConnectionError  the rendezvous store cannot be reached any more
+     ├── RendezvousStateError       the store holds something this protocol did not write
+     └── RendezvousGracefulExitError   a node was told to leave without an error
+
+:class:`RendezvousParameters` is torchrun's free-form description (backend, endpoint,
+run id, node counts, ``--rdzv-conf`` pairs); :class:`RendezvousSettings` is the
+same parsed once into typed, validated values.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from ..._store.base import Store
+
+__all__ = [
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousStateError",
+    "RendezvousGracefulExitError",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "NodeDesc",
+    "RendezvousInfo",
+    "RendezvousHandler",
+    "rendezvous_handler_registry",
+]
+
+
+class RendezvousError(Exception):
+    """Base of every rendezvous error."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Not enough nodes joined the round in time."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous was closed: the job finished or was shut down."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous store is unreachable (its host node may have died)."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state in the store is not what this protocol wrote."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """This node should exit without error (it is not needed in the job)."""
+
+
+_TRUE = {"1", "true", "t", "yes", "y"}
+_FALSE = {"0", "false", "f", "no", "n"}
+
+
+@dataclass
+class RendezvousParameters:
+    """torchrun's rendezvous description; ``config`` holds the ``--rdzv-conf`` pairs."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.backend:
+            raise ValueError("The rendezvous backend name must be a non-empty string.")
+        if self.min_nodes < 1:
+            raise ValueError(f"The minimum number of rendezvous nodes ({self.min_nodes}) must be greater than zero.")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"The maximum number of rendezvous nodes ({self.max_nodes}) must be greater than or equal to "
+                f"the minimum number of rendezvous nodes ({self.min_nodes})."
+            )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.config.get(key, default)
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        value = self.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ValueError(
+            f"The rendezvous configuration option '{key}' does not represent a valid boolean value: {value!r}"
+        )
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(
+                f"The rendezvous configuration option '{key}' does not represent a valid integer value: {value!r}"
+            ) from None
+
+    def get_as_float(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"The rendezvous configuration option '{key}' is not a number: {value!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousSettings:
+    """The timing of a store-based rendezvous, all in seconds (torchrun's ``--rdzv-conf`` keys)."""
+
+    join_timeout: float = 600.0  # a round must form within this (``timeout`` or ``join_timeout``)
+    last_call_timeout: float = 30.0  # once ``min_nodes`` joined, wait this long for more
+    close_timeout: float = 30.0  # the exit barrier: how long a finished node waits for the others
+    read_timeout: float = 60.0  # one store operation
+    keep_alive_interval: float = 5.0  # a node's heartbeat period
+    keep_alive_max_attempt: int = 3  # heartbeats missed before a node counts as lost
+    is_host: bool | None = None  # host the store? ``None``: when the endpoint is a local address
+
+    def __post_init__(self) -> None:
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout", "keep_alive_interval"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"rendezvous setting {name} must be a positive number of seconds, got {value!r}")
+        if self.keep_alive_max_attempt < 1:
+            raise ValueError(
+                f"rendezvous setting keep_alive_max_attempt must be >= 1, got {self.keep_alive_max_attempt}"
+            )
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> "RendezvousSettings":
+        join = params.get("join_timeout", params.get("timeout", cls.join_timeout))
+        return cls(
+            join_timeout=_seconds(join, "join_timeout"),
+            last_call_timeout=params.get_as_float("last_call_timeout", cls.last_call_timeout),
+            close_timeout=params.get_as_float("close_timeout", cls.close_timeout),
+            read_timeout=params.get_as_float("read_timeout", cls.read_timeout),
+            keep_alive_interval=params.get_as_float("keep_alive_interval", cls.keep_alive_interval),
+            keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", cls.keep_alive_max_attempt),
+            is_host=params.get_as_bool("is_host", None),
+        )
+
+    @property
+    def lost_after(self) -> float:
+        """Seconds without a heartbeat after which a node counts as lost."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"The rendezvous configuration option '{name}' is not a number of seconds: {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class NodeDesc:
+    """One participant of a round: a unique id, its host for messages, its number of workers."""
+
+    node_id: str
+    host: str
+    local_world_size: int
+    node_rank: int = -1  # the static backend's fixed rank; -1 for the dynamic one
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """A formed round, as one node sees it."""
+
+    store: Store  # the store the workers share (the agent store)
+    round: int
+    group_rank: int  # this node's place in ``participants``
+    participants: tuple[NodeDesc, ...]
+    master_addr: str  # where workers reach ``store``
+    master_port: int
+
+    @property
+    def group_world_size(self) -> int:
+        return len(self.participants)
+
+    @property
+    def world_size(self) -> int:
+        return sum(node.local_world_size for node in self.participants)
+
+    @property
+    def rank_offset(self) -> int:
+        """The global rank of this node's local rank 0."""
+        return sum(node.local_world_size for node in self.participants[: self.group_rank])
+
+
+class RendezvousHandler(abc.ABC):
+    """What the agent needs from a rendezvous backend (torch's interface, plus the coordination calls)."""
+
+    @abc.abstractmethod
+    def get_backend(self) -> str: ...
+
+    @abc.abstractmethod
+    def get_run_id(self) -> str: ...
+
+    @abc.abstractmethod
+    def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
+        """Join the next round and block until it forms; raises a :class:`RendezvousError`."""
+
+    @abc.abstractmethod
+    def num_nodes_waiting(self) -> int:
+        """Nodes that arrived after the current round formed and could still join (room below max)."""
+
+    @abc.abstractmethod
+    def lost_nodes(self) -> list[str]:
+        """Participants of the current round that left or stopped sending heartbeats."""
+
+    @abc.abstractmethod
+    def request_restart(self, reason: str, *, failure: bool) -> None:
+        """Ask every node of the current round to stop its workers and form a new round."""
+
+    @abc.abstractmethod
+    def restart_request(self) -> dict | None:
+        """The restart some node asked for in the current round, if any: ``{"reason", "failure", "node"}``."""
+
+    @abc.abstractmethod
+    def report_failure(self, summary: dict) -> None:
+        """Tell the other nodes that the job failed for good (``summary`` names the root cause)."""
+
+    @abc.abstractmethod
+    def job_failure(self) -> dict | None:
+        """The failure some node reported, if any."""
+
+    @abc.abstractmethod
+    def exit_barrier(self) -> None:
+        """This node's workers succeeded: wait for the other nodes, then close the rendezvous."""
+
+    @abc.abstractmethod
+    def is_closed(self) -> bool: ...
+
+    @abc.abstractmethod
+    def set_closed(self) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> bool:
+        """Leave (announcing it) and release the store; True if it went cleanly."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a round may have (1: a single-node job, no membership changes to watch)."""
+        return 2**31 - 1
+
+
+#: Backend name -> factory taking :class:`RendezvousParameters`; see ``rendezvous/__init__.py``.
+rendezvous_handler_registry: dict[str, Callable[[RendezvousParameters], RendezvousHandler]] = {}

@@ -1,0 +1,99 @@
+"""Two nodes in two network namespaces joined by a veth pair; one is killed and the job goes on.
+
+The test makes the namespaces and the veth pair itself and removes them after. It
+is skipped, saying why, only where the machine does not allow network namespaces
+(not root, no ``ip``, or the kernel refuses).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .launch_helpers import WORKER, Launcher, assert_no_orphans, clean_env, records, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+
+
+def _netns_unavailable() -> str | None:
+    if shutil.which("ip") is None:
+        return "the 'ip' tool (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"tdprobe{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"this machine does not allow network namespaces: {made.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@pytest.fixture
+def two_namespaces():
+    """Namespaces A and B, linked by a veth pair: A is 10.213.N.1, B is 10.213.N.2."""
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 100000
+    ns_a, ns_b = f"tdA{tag}", f"tdB{tag}"
+    veth_a, veth_b = f"tdva{tag}", f"tdvb{tag}"
+    subnet = f"10.213.{tag % 250}"
+    try:
+        steps = [
+            ("netns", "add", ns_a), ("netns", "add", ns_b),
+            ("link", "add", veth_a, "type", "veth", "peer", "name", veth_b),
+            ("link", "set", veth_a, "netns", ns_a), ("link", "set", veth_b, "netns", ns_b),
+            ("-n", ns_a, "addr", "add", f"{subnet}.1/24", "dev", veth_a),
+            ("-n", ns_b, "addr", "add", f"{subnet}.2/24", "dev", veth_b),
+            ("-n", ns_a, "link", "set", veth_a, "up"), ("-n", ns_b, "link", "set", veth_b, "up"),
+            ("-n", ns_a, "link", "set", "lo", "up"), ("-n", ns_b, "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot set up the veth pair ('ip {' '.join(step)}'): {done.stderr.strip()}")
+        yield (ns_a, f"{subnet}.1"), (ns_b, f"{subnet}.2")
+    finally:
+        _ip("netns", "del", ns_a)  # deleting a namespace deletes its end of the veth pair, and so the pair
+        _ip("netns", "del", ns_b)
+        _ip("link", "del", veth_a)
+
+
+def test_node_killed_under_elastic_nnodes_job_continues(tmp_path, two_namespaces):
+    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+    env = clean_env(TORCHDIST_SECRET="netns-test-secret", LOGLEVEL="INFO")
+    conf = "last_call_timeout=3,keep_alive_interval=0.3,keep_alive_max_attempt=3,join_timeout=40"
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"{addr_a}:29400", "--rdzv-id", "netns-job", "--rdzv-conf", conf, "--monitor-interval", "0.1"]
+    node_a = Launcher(*common, "--local-addr", addr_a, WORKER, "elastic", str(tmp_path), env=env, netns=ns_a)
+    node_b = Launcher(*common, "--local-addr", addr_b, WORKER, "elastic", str(tmp_path), env=env, netns=ns_b)
+    try:
+        both = lambda: {r["world"] for r in records(tmp_path, "joined*.world2.*.json")} == {2} and len(  # noqa: E731
+            records(tmp_path, "joined*.world2.*.json")) >= 2
+        wait_for(both, 40, "both nodes' workers to meet in one world of 2")
+        world2 = [r for r in records(tmp_path) if r["WORLD_SIZE"] == "2"]
+        assert {r["MASTER_ADDR"] for r in world2} == {addr_a}
+        assert sorted(r["GROUP_RANK"] for r in world2[-2:]) == ["0", "1"]
+        b_workers = [r["pid"] for r in world2 if r["GROUP_RANK"] == "1"]
+        (tmp_path / "peer-killed").write_text("1")
+        os.kill(node_b.pid, signal.SIGKILL)  # the node dies: launcher and (by PDEATHSIG) its workers
+        node_b.proc.wait(10)
+        killed_at = time.monotonic()
+        done_a = node_a.finish(45)
+    finally:
+        node_a.kill(), node_b.kill()
+    assert done_a.returncode == 0, done_a.stderr
+    assert "left or stopped sending heartbeats" in done_a.stderr
+    finished = records(tmp_path, "done*.json")
+    assert finished and {f["world"] for f in finished} == {1}, "the survivor went on alone"
+    assert time.monotonic() - killed_at < 45
+    assert_no_orphans(b_workers + [r["pid"] for r in records(tmp_path)])

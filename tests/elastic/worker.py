@@ -1,0 +1,122 @@
+"""The worker program the launcher tests start: ``worker.py MODE OUTDIR [ARG]``.
+
+Every mode first writes ``OUTDIR/rank<RANK>.attempt<N>.<pid>.json``: the launcher
+variables it sees and its pid, so that tests can check the environment and look
+for orphans. Then:
+
+``env``          exit 0
+``fail-once``    rank 1 exits 3 on attempt 0; everyone succeeds on later attempts
+``raise``        rank 1 raises ValueError under @record; the others sleep
+``exit``         rank ARG exits 7 at once; the others sleep
+``sleep``        sleep ARG seconds (a worker to kill or signal)
+``barrier``      meet every rank in the launcher's store (authenticated) and exit 0
+``pg``           init_process_group() with no arguments, all_reduce, barrier
+``no-secret``    try the launcher's store without the secret; record what happened
+``print``        print a line on stdout and one on stderr
+``elastic``      barrier in the store, write ``joined<RANK>.world<N>``; in a world of 1 after the test
+                 wrote ``OUTDIR/peer-killed``, write ``done`` and exit 0; else sleep (until restarted)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MODE, OUTDIR = sys.argv[1], sys.argv[2]
+ARG = sys.argv[3] if len(sys.argv) > 3 else ""
+NAMES = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "OMP_NUM_THREADS",
+]
+RANK = int(os.environ["RANK"])
+ATTEMPT = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def write(name: str, data: dict) -> None:
+    tmp = os.path.join(OUTDIR, name + ".tmp")
+    with open(tmp, "w") as fp:
+        json.dump(data, fp)
+    os.replace(tmp, os.path.join(OUTDIR, name))
+
+
+def agent_store(secret=None):
+    from torchdist import TCPStore
+
+    kwargs = {} if secret is None else {"secret": secret}
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, 20, **kwargs)
+
+
+def store_barrier() -> None:
+    store = agent_store()
+    store.barrier("test/barrier", int(os.environ["WORLD_SIZE"]), timeout=20)
+    store.close()
+
+
+env = {name: os.environ.get(name) for name in NAMES}
+env.update(pid=os.getpid(), has_secret=bool(os.environ.get("TORCHDIST_SECRET")), argv=sys.argv[1:])
+write(f"rank{RANK}.attempt{ATTEMPT}.{os.getpid()}.json", env)
+
+if MODE == "env":
+    pass
+elif MODE == "fail-once":
+    if RANK == 1 and ATTEMPT == 0:
+        sys.exit(3)
+elif MODE == "raise":
+    from torchdist.elastic.multiprocessing.errors import record
+
+    @record
+    def main() -> None:
+        if RANK == 1:
+            raise ValueError("boom from rank 1")
+        time.sleep(60)
+
+    main()
+elif MODE == "exit":
+    if RANK == int(ARG):
+        time.sleep(0.5)
+        sys.exit(7)
+    time.sleep(60)
+elif MODE == "sleep":
+    time.sleep(float(ARG or 60))
+elif MODE == "barrier":
+    store_barrier()
+elif MODE == "pg":
+    import torch
+
+    import torchdist
+
+    torchdist.init_process_group()
+    t = torch.ones(1)
+    torchdist.all_reduce(t)
+    torchdist.barrier()
+    write(f"pg{RANK}.json", {"sum": t.item(), "world": torchdist.get_world_size(), "rank": torchdist.get_rank()})
+    store_barrier()  # nobody tears the group down while a peer may still be finishing its last collective
+    torchdist.destroy_process_group()
+elif MODE == "no-secret":
+    outcome = {}
+    for label, secret in (("none", ""), ("wrong", "not-the-secret"), ("right", None)):
+        try:
+            store = agent_store(secret)
+            store.add(f"probe/{label}", 1)
+            outcome[label] = "ok" if store.get(f"probe/{label}") == b"1" else "bad"
+            store.close()
+        except Exception as exc:  # noqa: BLE001 - the test inspects the type
+            outcome[label] = type(exc).__name__ + ": " + str(exc)
+    write(f"auth{RANK}.json", outcome)
+elif MODE == "print":
+    print(f"hello from rank {RANK}", flush=True)
+    print(f"complaint from rank {RANK}", file=sys.stderr, flush=True)
+elif MODE == "elastic":
+    store_barrier()
+    world = int(os.environ["WORLD_SIZE"])
+    write(f"joined{RANK}.world{world}.{os.getpid()}.json", {"world": world})
+    if world == 1 and os.path.exists(os.path.join(OUTDIR, "peer-killed")):
+        write(f"done{RANK}.{os.getpid()}.json", {"world": world})
+    else:
+        time.sleep(60)  # until the agent restarts this worker in a new round
+else:
+    sys.exit(f"unknown mode {MODE}")
