@@ -1,0 +1,59 @@
+"""DDP's settings, parsed and checked once, as a frozen dataclass.
+
+Vocabulary used across ``torchdist._ddp``:
+
+- *parameter index*: a parameter's position in the list DDP reduces (the
+  module's parameters that require grad, shared ones once, ignored ones left out);
+- *bucket*: a group of parameters whose gradients live in one flat tensor and are
+  all-reduced by one collective;
+- *ready*: a parameter is ready once its gradient for this iteration has been
+  accumulated (its autograd hook fired) and copied into its bucket; a bucket is
+  ready when all its parameters are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+
+MiB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: PyTorch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket (the last layers'
+#: gradients, which arrive first) is kept small so that communication starts early.
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """How the Reducer buckets and reduces gradients (validated in ``__post_init__``)."""
+
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
+    bucket_cap_mb_list: tuple[float, ...] | None = None
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    init_sync: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        if self.first_bucket_bytes <= 0:
+            raise ValueError(f"first_bucket_bytes must be positive, got {self.first_bucket_bytes!r}")
+        if self.bucket_cap_mb_list is not None:
+            if not self.bucket_cap_mb_list or any(not mb > 0 for mb in self.bucket_cap_mb_list):
+                raise ValueError(
+                    f"bucket_cap_mb_list must be a non-empty list of positive sizes in MiB, "
+                    f"got {list(self.bucket_cap_mb_list)!r}")
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        return int(self.bucket_cap_mb * MiB)
+
+    def size_limits(self) -> list[int]:
+        """Byte limits of the buckets in order; the last one repeats for all later buckets."""
+        if self.bucket_cap_mb_list is not None:
+            return [int(mb * MiB) for mb in self.bucket_cap_mb_list]
+        return [min(self.first_bucket_bytes, self.bucket_bytes_cap), self.bucket_bytes_cap]

@@ -1,0 +1,486 @@
+"""The Reducer: averages gradients across ranks while backward is still running.
+
+Design after Li et al., "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
+
+- an autograd hook on every parameter (``register_post_accumulate_grad_hook``)
+  fires once its gradient for the iteration has been accumulated into ``.grad``;
+  the hook *marks the parameter ready*: it copies the gradient, divided by the
+  world size, into the parameter's slot of its bucket's flat tensor (with
+  ``gradient_as_bucket_view`` the ``.grad`` *is* that slot and nothing is copied);
+- when the last parameter of a bucket is ready, the bucket's all-reduce (or the
+  registered communication hook) starts *asynchronously*, so it overlaps the rest
+  of backward. Buckets are launched strictly in index order, because every rank
+  must issue the same collectives in the same order (section 3.2.3);
+- a callback queued on the autograd engine runs when backward ends: it waits for
+  every bucket and writes the averaged gradients back to ``.grad``;
+- after the first iteration the buckets are rebuilt in the order the gradients
+  actually arrived, rank 0's order broadcast so that all ranks agree.
+
+Iteration state machine (``prepare_for_backward`` is called by DDP's forward)::
+
+    idle ──forward (grad sync on)──▶ expecting hooks ──first hook──▶ reducing
+      ▲                                   │                          │
+      │            forward, no backward ──┘ (reset at next forward)  │
+      └─────── finalize: all buckets reduced, grads written ◀─────────┘
+               not all buckets ready (a parameter got no gradient):
+               the next forward raises "Expected to have finished reduction ..."
+
+Unused parameters (section 3.2.4): with ``find_unused_parameters`` the forward's
+outputs are traced back through the autograd graph; parameters not reached are
+marked ready (with zero gradient) at the first hook, and a bitmap of locally used
+parameters is all-reduced after the last bucket, so that a parameter unused on
+every rank keeps ``grad=None`` and one used on some ranks gets the average.
+With ``static_graph`` the first iteration only counts hook firings (which also
+supports a parameter used several times, e.g. by reentrant checkpointing) and
+reduces every bucket at the end of backward; later iterations replay the counts.
+
+The module is over 400 lines because the iteration state above is one piece:
+splitting it would spread the invariants over several files.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from .._c10d.collectives import all_reduce, broadcast
+from .bucket import Bucket, GradBucket, assign_buckets
+from .config import DDPConfig
+
+__all__ = ["Reducer"]
+
+logger = logging.getLogger(__name__)
+
+_UNUSED_HINT = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+    "that your module has parameters that were not used in producing loss. You can enable unused parameter "
+    "detection by passing the keyword argument `find_unused_parameters=True` to "
+    "`torchdist.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs participate in "
+    "calculating loss. \nIf you already have done the above, then the distributed data parallel module wasn't "
+    "able to locate the output tensors in the return value of your module's `forward` function. Please include "
+    "the loss function and the structure of the return value of `forward` of your module when reporting this "
+    "issue (e.g. list, dict, iterable).")
+
+_GRAPH_CHANGED = (
+    "Your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
+    "got unused in the second iteration. this is not compatible with static_graph set to True.")
+
+
+def _grad_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad(index)
+    return hook
+
+
+class Reducer:
+    """Buckets the gradients of ``params`` and all-reduces them during backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group,
+                 config: DDPConfig) -> None:
+        if not params:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               "that requires a gradient.")
+        self._params = list(params)
+        self._names = list(names)
+        self._group = group
+        self._world = group.size()
+        self._config = config
+        self._static = config.static_graph
+        self._find_unused = config.find_unused_parameters and not config.static_graph
+        self._comm_hook: Callable | None = None
+        self._comm_state = None
+        n = len(self._params)
+        # iteration state (see the module docstring)
+        self._expect_hooks = False
+        self._require_finalize = False
+        self._finalize_queued = False
+        self._first_hook_seen = False
+        self._ready = [False] * n
+        self._next_bucket = 0
+        self._unused: list[int] = []
+        self._locally_used = torch.zeros(n, dtype=torch.int32)
+        self._used_work = None
+        self._divisor: int | None = None
+        self._join_work = None
+        self._divide_by_initial_world_size = True
+        # static graph: hook counts recorded in the first iteration
+        self._static_done = False
+        self._counts = [0] * n
+        self._counts_left: list[int] = []
+        self._global_used: list[bool] | None = None
+        # bucket rebuild: arrival order of the first synchronized backward
+        self._has_rebuilt = False
+        self._arrival: list[int] = []
+        self._rebuild_order: list[int] | None = None
+        self.num_iterations = 0
+        self.num_backward = 0
+        self._buckets: list[Bucket] = []
+        self._where: list[tuple[int, int]] = []
+        self._build(list(reversed(range(n))))
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_grad_hook(ref, i)) for i, p in enumerate(self._params)]
+
+    # -- buckets ---------------------------------------------------------------------------
+    def _build(self, order: list[int]) -> None:
+        """(Re)create the buckets over ``order``; with bucket views, point ``.grad`` at them."""
+        groups = assign_buckets(self._params, order, self._config.size_limits())
+        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx]) for i, idx in enumerate(groups)]
+        self._where = [(0, 0)] * len(self._params)
+        for bucket in self._buckets:
+            for slot, index in enumerate(bucket.param_indices):
+                self._where[index] = (bucket.index, slot)
+        if self._config.gradient_as_bucket_view:
+            with torch.no_grad():
+                for bucket in self._buckets:
+                    for p, view in zip(bucket.params, bucket.views):
+                        if p.grad is not None:
+                            view.copy_(p.grad)
+                            p.grad = view
+        logger.debug("reducer: %d buckets of %s bytes", len(self._buckets), [b.nbytes for b in self._buckets])
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._buckets
+
+    def bucket_indices(self) -> list[list[int]]:
+        return [list(b.param_indices) for b in self._buckets]
+
+    def _should_rebuild(self) -> bool:
+        return (self._static or not self._find_unused) and not self._has_rebuilt
+
+    def rebuild_buckets(self) -> bool:
+        """At the start of a forward: rebuild buckets in arrival order if the first iteration recorded one."""
+        self.ensure_prior_reduction_finished()
+        if self._rebuild_order is None or not self._should_rebuild():
+            return False
+        order = torch.tensor(self._rebuild_order, dtype=torch.int64)
+        broadcast(order, group_src=0, group=self._group)  # every rank takes rank 0's order
+        self._rebuild_order = None
+        self._has_rebuilt = True
+        self._build(order.tolist())
+        logger.info("reducer: buckets rebuilt in gradient arrival order: %s", self.bucket_indices())
+        return True
+
+    def push_all_rebuilt_params(self) -> None:
+        """On a joined rank: supply a (default) order so that its rebuild matches the others'."""
+        if self._should_rebuild() and self._rebuild_order is None:
+            self._rebuild_order = list(reversed(range(len(self._params))))
+
+    def set_static_graph(self) -> None:
+        """``DDP._set_static_graph()``: switch to static-graph mode before the first iteration."""
+        if self.num_backward > 0 or self._require_finalize:
+            raise RuntimeError("_set_static_graph() must be called before the first training iteration")
+        self._config = replace(self._config, static_graph=True)
+        self._static = True
+        self._find_unused = False
+
+    # -- communication hooks and join -------------------------------------------------------
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._comm_hook, self._comm_state = hook, state
+
+    @property
+    def has_comm_hook(self) -> bool:
+        return self._comm_hook is not None
+
+    def set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
+        """Join: the forward's all-reduce of ones counts the ranks that have not joined."""
+        self._join_work = work
+        self._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def match_all_reduce_for_joined(self) -> None:
+        """On a joined rank: shadow one backward's collectives with zero gradients."""
+        pending = []
+        for bucket in self._buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            if self._comm_hook is None:
+                pending.append(all_reduce(zeros, group=self._group, async_op=True))
+            else:
+                pending.append(self._run_hook(GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
+                                                         bucket.index == len(self._buckets) - 1)))
+        if self._find_unused:
+            pending.append(all_reduce(torch.zeros_like(self._locally_used), group=self._group, async_op=True))
+        for item in pending:
+            item.wait()
+
+    # -- the iteration ------------------------------------------------------------------------
+    def ensure_prior_reduction_finished(self) -> None:
+        if not self._require_finalize:
+            return
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        if self._static and self._static_done:
+            raise RuntimeError(_GRAPH_CHANGED + f" Parameters that did not receive a gradient on rank "
+                               f"{self._group.rank()}: {', '.join(self._names[i] for i in missing)}")
+        raise RuntimeError(
+            _UNUSED_HINT
+            + f"\nParameter indices which did not receive grad for rank {self._group.rank()}: "
+            + " ".join(str(i) for i in missing)
+            + f"\nParameters which did not receive grad for rank {self._group.rank()}: "
+            + ", ".join(self._names[i] for i in missing))
+
+    def prepare_for_forward(self) -> None:
+        self.num_iterations += 1
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Called by a forward whose backward must reduce gradients: reset the iteration state."""
+        self.ensure_prior_reduction_finished()
+        self._expect_hooks = True
+        self._finalize_queued = False
+        self._first_hook_seen = False
+        self._ready = [False] * len(self._params)
+        self._next_bucket = 0
+        self._used_work = None
+        self._divisor = None
+        for bucket in self._buckets:
+            bucket.reset()
+        if self._should_rebuild() and self._rebuild_order is None:
+            self._arrival = []
+        if self._static:
+            if self._static_done:
+                self._counts_left = list(self._counts)
+            else:
+                self._counts = [0] * len(self._params)
+        if self._find_unused:
+            self._unused = self._search_unused(outputs)
+            self._locally_used.zero_()
+
+    def disable_hooks(self) -> None:
+        """A forward under ``no_sync``: its backward only accumulates gradients locally."""
+        self._expect_hooks = False
+
+    def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of parameters that the autograd graph of ``outputs`` does not reach."""
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        seen = {id(fn) for fn in stack}
+        reached: set[int] = set()
+        while stack:
+            fn = stack.pop()
+            variable = getattr(fn, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and id(nxt) not in seen:
+                    seen.add(id(nxt))
+                    stack.append(nxt)
+        unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+        if unused:
+            logger.debug("reducer: unused parameters this iteration: %s", [self._names[i] for i in unused])
+        return unused
+
+    def queue_finalize(self) -> None:
+        """Arrange for ``_finalize_backward`` to run when the current backward pass ends."""
+        if self._expect_hooks and not self._finalize_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._finalize_queued = True
+
+    def _on_grad(self, index: int) -> None:
+        """The autograd hook of parameter ``index``: its gradient has been accumulated."""
+        if not self._expect_hooks:
+            return
+        self._require_finalize = True
+        self.queue_finalize()
+        if self._static and not self._static_done:  # first iteration: only count
+            if self._counts[index] == 0:
+                self._arrival.append(index)
+            self._counts[index] += 1
+            return
+        if not self._first_hook_seen:
+            self._first_hook_seen = True
+            self._mark_unused_ready()
+        if self._static:
+            left = self._counts_left[index] - 1
+            if left < 0:
+                raise RuntimeError(_GRAPH_CHANGED + f" Parameter {self._names[index]} got more gradients than in "
+                                                    "the first iteration.")
+            self._counts_left[index] = left
+            if left > 0:
+                return
+        self._mark_ready(index, used=True)
+
+    def _mark_unused_ready(self) -> None:
+        if self._find_unused:
+            unused = self._unused
+        elif self._static and self._static_done:
+            unused = [i for i, c in enumerate(self._counts) if c == 0]
+        else:
+            return
+        for i in unused:
+            if not self._ready[i]:
+                self._mark_ready(i, used=False)
+
+    def _mark_ready(self, index: int, used: bool) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                "Expected to mark a variable ready only once. This error is caused by one of the following "
+                "reasons: 1) Use of a module parameter outside the `forward` function. Please make sure model "
+                "parameters are not shared across multiple concurrent forward-backward passes. or try to use "
+                "_set_static_graph() as a workaround if this module graph does not change during training loop."
+                "2) Reused parameters in multiple reentrant backward passes. For example, if you use multiple "
+                "`checkpoint` functions to wrap the same part of your model, it would result in the same set of "
+                "parameters been used by different reentrant backward passes multiple times, and hence marking a "
+                "variable ready multiple times. DDP does not support such use cases in default. You can try to "
+                "use _set_static_graph() as a workaround if your module graph does not change over iterations.\n"
+                f"Parameter at index {index} with name {self._names[index]} has been marked as ready twice. "
+                "This means that multiple autograd engine hooks have fired for this particular parameter during "
+                "this iteration.")
+        self._ready[index] = True
+        if used and not self._static and self._should_rebuild() and self._rebuild_order is None:
+            self._arrival.append(index)
+        if used and self._find_unused:
+            self._locally_used[index] = 1
+        bucket_index, slot = self._where[index]
+        bucket = self._buckets[bucket_index]
+        self._copy_in(bucket, slot, used)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _div_factor(self) -> int:
+        if self._divisor is None:
+            self._divisor = self._world
+            if self._join_work is not None and not self._divide_by_initial_world_size:
+                self._divisor = int(self._join_work.result()[0].item())
+        return self._divisor
+
+    def _copy_in(self, bucket: Bucket, slot: int, used: bool) -> None:
+        """Put the parameter's gradient (divided by the world size unless a hook runs) into its bucket slot."""
+        p, view = bucket.params[slot], bucket.views[slot]
+        grad = p.grad
+        with torch.no_grad():
+            if not used or grad is None:
+                view.zero_()
+                return
+            if grad.is_sparse:
+                grad = grad.to_dense()
+            factor = None if self._comm_hook is not None else self._div_factor()
+            if self._config.gradient_as_bucket_view:
+                if grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    p.grad = view
+                if factor is not None and factor != 1:
+                    view.div_(factor)
+            elif factor is not None and factor != 1:
+                torch.div(grad, factor, out=view)
+            else:
+                view.copy_(grad)
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            self._next_bucket += 1
+            if self._comm_hook is None:
+                bucket.work = all_reduce(bucket.buffer, group=self._group, async_op=True)
+            else:
+                bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
+                                                          bucket.offsets, bucket.index == len(self._buckets) - 1))
+        if self._next_bucket == len(self._buckets) and self._tracks_used() and self._used_work is None:
+            self._used_work = all_reduce(self._locally_used, group=self._group, async_op=True)
+
+    def _tracks_used(self) -> bool:
+        return self._find_unused or (self._static and not self._static_done)
+
+    def _run_hook(self, grad_bucket: GradBucket) -> torch.futures.Future:
+        future = self._comm_hook(self._comm_state, grad_bucket)
+        if not isinstance(future, torch._C.Future):  # base of torch.futures.Future and of .then() results
+            raise RuntimeError(f"callback must return a torch.futures.Future object, but got {type(future)}")
+        return future
+
+    def _finalize_backward(self) -> None:
+        """Runs when backward ends: wait for every bucket, write the averaged gradients to ``.grad``."""
+        if not self._expect_hooks:
+            return
+        if self._static and not self._static_done:
+            self._delayed_reduce()
+        elif self._find_unused:
+            self._mark_unused_ready()  # in case no hook fired at all
+        if self._next_bucket < len(self._buckets):
+            if self._static and self._static_done:
+                self._expect_hooks = False
+                self.ensure_prior_reduction_finished()
+            logger.debug("reducer: backward ended with %d of %d buckets reduced", self._next_bucket,
+                         len(self._buckets))
+            return  # some parameter got no gradient: the next forward raises
+        for bucket in self._buckets:
+            self._wait_bucket(bucket)
+        used = self._global_used
+        if self._used_work is not None:
+            self._used_work.wait()
+            used = [c > 0 for c in self._locally_used.tolist()]
+            if self._static:
+                self._global_used = used
+        self._write_back(used)
+        self._expect_hooks = False
+        self._require_finalize = False
+        self.num_backward += 1
+        if self._static and not self._static_done:
+            self._static_done = True
+            self._counts = [max(c, 0) for c in self._counts]
+        if self._should_rebuild() and self._rebuild_order is None:
+            seen = set(self._arrival)
+            self._rebuild_order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
+
+    def _delayed_reduce(self) -> None:
+        """Static graph, first iteration: reduce every bucket now that the hook counts are known."""
+        for i, count in enumerate(self._counts):
+            self._locally_used[i] = 1 if count > 0 else 0
+        self._first_hook_seen = True
+        for bucket in self._buckets:
+            for index in bucket.param_indices:
+                self._mark_ready(index, used=self._counts[index] > 0)
+
+    def _wait_bucket(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            return
+        value = bucket.future.wait()
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            raise RuntimeError(
+                f"DDP communication hook: the future of bucket {bucket.index} must hold a tensor of "
+                f"{bucket.buffer.numel()} elements (or a list whose first element is one), got {value!r:.200}")
+        if result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result.view(-1))
+
+    def _write_back(self, used: list[bool] | None) -> None:
+        as_view = self._config.gradient_as_bucket_view
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for p, index, view in zip(bucket.params, bucket.param_indices, bucket.views):
+                    if used is not None and not used[index]:
+                        continue  # unused on every rank: the gradient stays as it was (None)
+                    grad = p.grad
+                    if as_view:
+                        if grad is None or grad.data_ptr() != view.data_ptr():
+                            p.grad = view
+                    elif grad is None or grad.is_sparse:
+                        p.grad = view.clone()
+                    else:
+                        grad.copy_(view)
+
+    # -- introspection and teardown -----------------------------------------------------------
+    def logging_data(self) -> dict:
+        return {
+            "num_buckets": len(self._buckets),
+            "bucket_sizes": [b.nbytes for b in self._buckets],
+            "bucket_indices": self.bucket_indices(),
+            "has_rebuilt_buckets": self._has_rebuilt,
+            "num_iterations": self.num_iterations,
+            "num_backward": self.num_backward,
+            "comm_hook": getattr(self._comm_hook, "__qualname__", None),
+        }
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __del__(self) -> None:
+        self.remove_hooks()

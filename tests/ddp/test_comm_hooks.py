@@ -1,0 +1,156 @@
+"""register_comm_hook, GradBucket and the built-in hooks (inventory 75-76)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchdist.algorithms import ddp_comm_hooks
+from torchdist.algorithms.ddp_comm_hooks import (
+    DDPCommHookType,
+    PowerSGDState,
+    batched_powerSGD_hook,
+    default_hooks,
+    powerSGD_hook,
+    register_ddp_comm_hook,
+)
+from torchdist.nn.parallel import DistributedDataParallel as DDP
+from torchdist._ddp.bucket import GradBucket
+from torchdist.testing import run_ranks
+
+from ._common import LR, TOL, assert_close_states, build, full_batches, shard, state, train_reference
+
+
+def _twos(state_, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut = torch.futures.Future()
+    fut.set_result(2 * torch.ones_like(bucket.buffer()))
+    return fut
+
+
+def _hook_value(rank, world_size):
+    ddp = DDP(build("mlp"))
+    ddp.register_comm_hook(None, _twos)
+    ddp(torch.randn(3, 10)).sum().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_hook_future_value_becomes_the_gradient():
+    for grads in run_ranks(_hook_value, 2, backend="gloo"):
+        for g in grads:
+            assert torch.equal(g, 2 * torch.ones_like(g))
+
+
+def _train_with_hook(rank, world_size, hook_type, steps):
+    ddp = DDP(build("mlp"), bucket_cap_mb=0.002)
+    register_ddp_comm_hook(DDPCommHookType[hook_type], ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for x, y in full_batches("mlp", world_size, steps):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+    return state(ddp)
+
+
+@pytest.mark.parametrize("hook_type,tol", [
+    ("ALLREDUCE", TOL), ("FP16_COMPRESS", {"rtol": 1e-2, "atol": 2e-3}), ("BF16_COMPRESS", {"rtol": 2e-2, "atol": 1e-2}),
+])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_builtin_hooks_match_plain_ddp(hook_type, tol, world_size):
+    results = run_ranks(_train_with_hook, world_size, args=(hook_type, 3), backend="gloo")
+    want = train_reference("mlp", world_size, 3)
+    for got in results:
+        assert_close_states(got, want, **tol)
+        for k in got:
+            assert torch.equal(got[k], results[0][k]), f"replicas differ in {k}"
+
+
+def _power_sgd(rank, world_size, start_iter, batched, steps):
+    ddp = DDP(build("mlp"))
+    hook = batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
+    ps = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start_iter,
+                       min_compression_rate=1.0)
+    ddp.register_comm_hook(ps, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for x, y in full_batches("mlp", world_size, steps):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+    return state(ddp), ps.iter, ps.compression_stats()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_power_sgd_before_start_is_plain_allreduce(batched):
+    results = run_ranks(_power_sgd, 2, args=(10, batched, 3), backend="gloo")
+    assert_close_states(results[0][0], train_reference("mlp", 2, 3))
+    assert results[0][1] == 3
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_power_sgd_compresses_and_keeps_replicas_identical(batched, world_size):
+    results = run_ranks(_power_sgd, world_size, args=(2, batched, 5), backend="gloo")
+    first, iters, (rate, before, after) = results[0]
+    assert iters == 5 and rate > 1 and after < before, (iters, rate, before, after)
+    want = train_reference("mlp", world_size, 5)
+    for got, _, _ in results:
+        for k in got:
+            assert torch.equal(got[k], first[k]), f"replicas differ in {k}"
+    # low-rank gradients still move the model close to full-gradient SGD in a few steps
+    assert_close_states(first, want, rtol=0, atol=0.1)
+
+
+def test_power_sgd_start_iter_validation_and_pickling():
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        PowerSGDState(None, start_powerSGD_iter=1)
+    PowerSGDState(None, start_powerSGD_iter=1, use_error_feedback=False, warm_start=False)
+    copy = pickle.loads(pickle.dumps(PowerSGDState(None, matrix_approximation_rank=3)))
+    assert copy.matrix_approximation_rank == 3 and copy.process_group is None
+
+
+def _bad_hooks(rank, world_size):
+    ddp = DDP(build("mlp"))
+    errors = {}
+    try:
+        ddp.register_comm_hook(None, 3)
+    except TypeError as exc:
+        errors["not_callable"] = ("TypeError", str(exc))
+
+    def annotated(state, bucket: int):
+        return None
+
+    def bad_return(state, bucket) -> int:
+        return 0
+
+    for name, hook in [("bucket_annotation", annotated), ("return_annotation", bad_return)]:
+        try:
+            ddp.register_comm_hook(None, hook)
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = (type(exc).__name__, str(exc))
+    ddp.register_comm_hook(None, lambda s, bucket: bucket.buffer())  # returns a tensor, not a future
+    try:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError as exc:
+        errors["twice"] = ("RuntimeError", str(exc))
+    try:
+        ddp(torch.randn(2, 10)).sum().backward()
+    except RuntimeError as exc:
+        errors["not_future"] = ("RuntimeError", str(exc))
+    return errors
+
+
+def test_misused_hooks_raise_pytorch_errors():
+    errors = run_ranks(_bad_hooks, 2, backend="gloo")[0]
+    assert errors["not_callable"] == ("TypeError", "Communication hook must be callable.")
+    assert errors["bucket_annotation"][0] == "ValueError"
+    assert "bucket annotation should be dist.GradBucket." in errors["bucket_annotation"][1]
+    assert errors["return_annotation"][0] == "ValueError"
+    assert errors["twice"][1] == "register_comm_hook or register_builtin_comm_hook can only be called once."
+    assert "callback must return a torch.futures.Future object, but got" in errors["not_future"][1]
+
+
+def test_hook_types_cover_the_builtins():
+    assert {t.name for t in DDPCommHookType} >= {"ALLREDUCE", "FP16_COMPRESS", "BF16_COMPRESS", "POWER_SGD", "NOOP"}
+    assert callable(ddp_comm_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook))

@@ -1,0 +1,99 @@
+"""Uneven inputs under ``ddp.join()`` / ``Join`` (inventory 74)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchdist.algorithms import Join
+from torchdist.nn.parallel import DistributedDataParallel as DDP
+from torchdist.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from torchdist.testing import run_ranks
+
+from ._common import LR, TOL, build, full_batches, shard, state
+
+
+def _uneven(rank, world_size, divide_by_initial):
+    ddp = DDP(build("mlp"), bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    batches = full_batches("mlp", world_size, 2 + 2 * rank)  # rank r runs 2 + 2r iterations
+    with ddp.join(divide_by_initial_world_size=divide_by_initial):
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+            opt.step()
+    return state(ddp)
+
+
+def _reference(world_size, divide_by_initial):
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    iters = [2 + 2 * r for r in range(world_size)]
+    for i, (x, y) in enumerate(full_batches("mlp", world_size, max(iters))):
+        active = [r for r in range(world_size) if iters[r] > i]
+        divisor = world_size if divide_by_initial else len(active)
+        opt.zero_grad()
+        sum(F.cross_entropy(model(shard(x, r)), shard(y, r)) for r in active).div(divisor).backward()
+        opt.step()
+    return state(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_join_with_uneven_inputs_finishes_and_matches(world_size, divide_by_initial):
+    results = run_ranks(_uneven, world_size, args=(divide_by_initial,), backend="gloo")
+    want = _reference(world_size, divide_by_initial)
+    # the last rank to join trained on every iteration: it matches the reference;
+    # the post hook then gives every rank its parameters
+    for rank, got in enumerate(results):
+        for k, v in want.items():
+            torch.testing.assert_close(got["module." + k], v, **TOL, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def _throw(rank, world_size):
+    ddp = DDP(build("mlp"))
+    batches = full_batches("mlp", world_size, 1 + rank)
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for x, y in batches:
+                F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_throw_on_early_termination():
+    early, late = run_ranks(_throw, 2, backend="gloo")
+    assert early == "Rank 0 exhausted all inputs."
+    assert late == "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+
+
+def _body_raises(rank, world_size):
+    ddp = DDP(build("mlp"))
+    try:
+        with ddp.join():
+            raise KeyError("from the body")
+    except KeyError as exc:
+        return repr(exc)
+
+
+def test_exception_in_join_body_propagates_unchanged():
+    assert run_ranks(_body_raises, 2, backend="gloo") == ["KeyError('from the body')"] * 2
+
+
+def _ddp_and_zero(rank, world_size):
+    ddp = DDP(build("mlp"))
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=LR)
+    with Join([ddp, zero]):
+        for x, y in full_batches("mlp", world_size, 1 + 2 * rank):
+            zero.zero_grad()
+            F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+            zero.step()
+    return state(ddp)
+
+
+def test_join_with_ddp_and_zero_finishes_with_identical_replicas():
+    a, b = run_ranks(_ddp_and_zero, 2, backend="gloo")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

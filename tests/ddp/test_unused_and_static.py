@@ -1,0 +1,145 @@
+"""Unused parameters, static graph, and the errors PyTorch gives for them (inventory 70-72)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from torchdist.nn.parallel import DistributedDataParallel as DDP
+from torchdist.testing import run_ranks
+
+from ._common import TOL
+
+
+class TwoBranch(nn.Module):
+    """``net2`` is used only when ``use_net2``; ``never`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(4, 4)
+        self.net2 = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+
+    def forward(self, x, use_net2=True):
+        x = self.net1(x)
+        return self.net2(x) if use_net2 else x
+
+
+def _unused(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DDP(TwoBranch(), find_unused_parameters=True)
+    x = torch.full((2, 4), float(rank + 1))
+    ddp(x, use_net2=(rank == 0)).sum().backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in ddp.module.named_parameters()}
+    ddp(x, use_net2=(rank == 0)).sum().backward()  # a second iteration works too
+    return grads
+
+
+def test_find_unused_parameters_averages_partially_used_and_leaves_unused_none():
+    results = run_ranks(_unused, 2, backend="gloo")
+    torch.manual_seed(0)
+    model = TwoBranch()
+    (model(torch.full((2, 4), 1.0)).sum() + model(torch.full((2, 4), 2.0), use_net2=False).sum()).backward()
+    for rank, grads in enumerate(results):
+        assert grads["never.weight"] is None and grads["never.bias"] is None, f"rank {rank}: {grads['never.weight']}"
+        for name in ("net1.weight", "net1.bias", "net2.weight", "net2.bias"):
+            want = dict(model.named_parameters())[name].grad / 2
+            torch.testing.assert_close(grads[name], want, **TOL)
+
+
+def _unused_error(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DDP(TwoBranch())
+    ddp(torch.randn(2, 4)).sum().backward()  # "never" gets no gradient
+    try:
+        ddp(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_unused_parameter_without_find_unused_raises_next_iteration_naming_it():
+    for msg in run_ranks(_unused_error, 2, backend="gloo"):
+        assert msg is not None, "the second forward should have raised"
+        assert "Expected to have finished reduction in the prior iteration" in msg
+        assert "find_unused_parameters=True" in msg
+        assert "never.weight" in msg and "never.bias" in msg
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        x = checkpoint(self.layer, x, use_reentrant=True)
+        x = checkpoint(self.layer, torch.relu(x), use_reentrant=True)  # the same layer twice
+        return self.head(x)
+
+
+def _static_checkpoint(rank, world_size, steps):
+    torch.manual_seed(0)
+    ddp = DDP(Checkpointed(), static_graph=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(world_size * 2, 6, generator=g, requires_grad=True)
+        opt.zero_grad()
+        ddp(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in ddp.module.state_dict().items()}, ddp._get_ddp_logging_data()
+
+
+def test_static_graph_with_reentrant_checkpointing_twice_matches_single_process():
+    results = run_ranks(_static_checkpoint, 2, args=(3,), backend="gloo")
+    torch.manual_seed(0)
+    model = Checkpointed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=g, requires_grad=True)
+        opt.zero_grad()
+        out = model(x)
+        (0.5 * out[:2].pow(2).mean() + 0.5 * out[2:].pow(2).mean()).backward()
+        opt.step()
+    for got, log in results:
+        assert log["has_rebuilt_buckets"]
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, **TOL)
+
+
+def _static_changes(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DDP(TwoBranch(), static_graph=True)
+    ddp(torch.randn(2, 4)).sum().backward()
+    try:
+        ddp(torch.randn(2, 4), use_net2=False).sum().backward()
+        ddp(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_static_graph_that_changes_raises():
+    for msg in run_ranks(_static_changes, 2, backend="gloo"):
+        assert msg is not None and "Your training graph has changed in this iteration" in msg, msg
+
+
+def _twice(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DDP(Checkpointed())  # one layer checkpointed twice: two reentrant backwards, two hook firings
+    try:
+        ddp(torch.randn(2, 6, requires_grad=True)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_parameter_marked_ready_twice_raises(world_size):
+    for msg in run_ranks(_twice, world_size, backend="gloo"):
+        assert msg is not None and "Expected to mark a variable ready only once" in msg, msg

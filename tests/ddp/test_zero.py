@@ -1,0 +1,76 @@
+"""ZeroRedundancyOptimizer: same parameters as the unsharded optimizer, sharded state (inventory 81)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchdist.nn.parallel import DistributedDataParallel as DDP
+from torchdist.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from torchdist.testing import run_ranks
+
+from ._common import TOL, build, full_batches, shard, state
+
+
+def _train(rank, world_size, use_zero, as_view, steps):
+    ddp = DDP(build("cnn"))
+    if use_zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01, parameters_as_bucket_view=as_view)
+    else:
+        opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    for x, y in full_batches("cnn", world_size, steps):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+    out = {"model": state(ddp)}
+    if use_zero:
+        out["local_state_params"] = len(opt.optim.state)
+        out["partition_sizes"] = list(opt._sizes)
+        opt.consolidate_state_dict(to=0)
+        out["full"] = opt.state_dict() if rank == 0 else None
+        if rank != 0:
+            try:
+                opt.state_dict()
+            except RuntimeError as exc:
+                out["error"] = str(exc)
+    else:
+        out["full"] = opt.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_zero_matches_ddp_with_plain_optimizer(world_size, as_view):
+    zero = run_ranks(_train, world_size, args=(True, as_view, 3), backend="gloo")
+    plain = run_ranks(_train, world_size, args=(False, False, 3), backend="gloo")
+    for rank in range(world_size):
+        for k, v in plain[rank]["model"].items():
+            torch.testing.assert_close(zero[rank]["model"][k], v, **TOL)
+    n_params = len(list(build("cnn").parameters()))
+    assert sum(z["local_state_params"] for z in zero) == n_params, "each parameter's state lives on one rank"
+    assert all(z["local_state_params"] < n_params for z in zero)
+    full, want = zero[0]["full"], plain[0]["full"]
+    assert [g["params"] for g in full["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    assert sorted(full["state"]) == sorted(want["state"])
+    for i, s in want["state"].items():
+        for key, value in s.items():
+            torch.testing.assert_close(full["state"][i][key], value, **TOL)
+    assert "consolidate_state_dict" in zero[1]["error"]
+
+
+def _load(rank, world_size, full):
+    ddp = DDP(build("cnn"))
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.5)
+    opt.load_state_dict(full)
+    opt.consolidate_state_dict(to=0)
+    return opt.state_dict() if rank == 0 else None, opt.param_groups[0]["lr"]
+
+
+def test_load_state_dict_round_trips():
+    full = run_ranks(_train, 2, args=(True, False, 2), backend="gloo")[0]["full"]
+    again, lr = run_ranks(_load, 2, args=(full,), backend="gloo")[0]
+    assert lr == 0.01
+    for i, s in full["state"].items():
+        for key, value in s.items():
+            torch.testing.assert_close(again["state"][i][key], value)
