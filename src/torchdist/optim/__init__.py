@@ -1,0 +1,6 @@
+"""``torchdist.optim``: distributed optimizers (``torch.distributed.optim``'s API). Re-exports only."""
+
+from .distributed_optimizer import DistributedOptimizer
+from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["DistributedOptimizer", "ZeroRedundancyOptimizer"]

@@ -1,0 +1,90 @@
+"""Authenticate an RPC connection with the job secret before anything is unpickled.
+
+RPC executes code sent by peers (pickles name functions to run), so a connection
+must prove it belongs to the job before its first frame is read. The job secret
+is the launcher's (``TORCHDIST_SECRET``, see :mod:`torchdist._auth`, whose
+primitives this module carries over the mesh sockets). The lower worker id of a
+pair accepted the connection and plays the server::
+
+    higher id (client)                               lower id (server)
+      HELLO(magic, version, has_secret) ─────────────►
+      ◄───────────── HELLO(magic, version, has_secret)   both must agree on has_secret
+      client_nonce ──────────────────────────────────►
+      ◄───────────────────── server_nonce, server_proof   client checks, else disconnects
+      client_proof ──────────────────────────────────►   server checks
+      ◄──────────────────────────────────── OK / FAIL
+
+The secret never crosses the wire. Without a secret only the HELLO is exchanged,
+and the agent listens on the one address it was given (never a wildcard):
+unauthenticated RPC runs code from anyone who can reach that address.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from .._auth import NONCE_BYTES, PROOF_BYTES, SECRET_ENV, AuthenticationError, ClientHandshake, \
+    ServerHandshake, resolve_secret
+from ..errors import DistNetworkError
+
+__all__ = ["SECRET_ENV", "job_secret", "authenticate"]
+
+_HELLO = struct.Struct("<8sHB")
+_MAGIC = b"TDRPC\x00\x00\x01"
+_VERSION = 1
+
+
+def job_secret() -> bytes | None:
+    """The job secret (``$TORCHDIST_SECRET``), or None when the job runs without one."""
+    return resolve_secret()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError("the peer closed the connection during the RPC handshake")
+        data += chunk
+    return bytes(data)
+
+
+def authenticate(sock: socket.socket, my_id: int, peer_id: int, peer_name: str, secret: bytes | None,
+                 timeout: float) -> None:
+    """Run the handshake on a connected socket; raise DistNetworkError if the peer fails it."""
+    previous = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(_HELLO.pack(_MAGIC, _VERSION, secret is not None))
+        magic, version, has_secret = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+        if magic != _MAGIC or version != _VERSION:
+            raise DistNetworkError(f"RPC handshake with {peer_name} failed: not a torchdist RPC peer "
+                                   f"(magic={magic!r}, version={version})")
+        if bool(has_secret) != (secret is not None):
+            mine = "has a" if secret is not None else "has no"
+            raise AuthenticationError(
+                f"RPC handshake with {peer_name} failed: this worker {mine} job secret and the peer does "
+                f"not agree. Set {SECRET_ENV} to the same value on every worker (torchdist-run does this).")
+        if secret is None:
+            return
+        if my_id > peer_id:  # we dialed: the client side
+            client = ClientHandshake(secret)
+            sock.sendall(client.hello())
+            sock.sendall(client.answer(_recv_exact(sock, NONCE_BYTES + PROOF_BYTES), peer=peer_name))
+            if _recv_exact(sock, 1) != b"\x01":
+                raise AuthenticationError(f"RPC handshake: {peer_name} refused this worker's proof of the "
+                                          f"job secret. Set the same {SECRET_ENV} on every worker.")
+        else:
+            server = ServerHandshake(secret)
+            sock.sendall(server.challenge(_recv_exact(sock, NONCE_BYTES)))
+            ok = server.verify(_recv_exact(sock, PROOF_BYTES))
+            sock.sendall(b"\x01" if ok else b"\x00")
+            if not ok:
+                raise AuthenticationError(
+                    f"RPC handshake: {peer_name} does not hold the job secret; the connection was refused "
+                    f"before reading any message. Set the same {SECRET_ENV} on every worker.")
+    except OSError as exc:
+        raise DistNetworkError(f"RPC handshake with {peer_name} failed: {exc}") from exc
+    finally:
+        sock.settimeout(previous)
