@@ -1,0 +1,1 @@
+"""Tests of torchdist's c10d layer."""

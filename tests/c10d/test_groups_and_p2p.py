@@ -1,0 +1,243 @@
+"""Groups, point-to-point, object collectives, monitored_barrier, and errors through the API."""
+
+import os
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+
+import torchdist as dist
+from torchdist.testing import RanksFailed, run_ranks
+
+
+def _subgroups(rank, world):
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    mine = evens if rank % 2 == 0 else odds
+    other = odds if rank % 2 == 0 else evens
+    # Concurrent collectives on two disjoint groups, async, then waited.
+    t = torch.full((1000,), float(rank))
+    work = dist.all_reduce(t, group=mine, async_op=True)
+    work.wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outsider = dist.all_reduce(torch.ones(1), group=other)
+    reversed_group = dist.new_group([3, 1], sort_ranks=False)
+    order = None
+    if rank in (1, 3):
+        outs = [torch.empty(1) for _ in range(2)]
+        dist.all_gather(outs, torch.tensor([float(rank)]), group=reversed_group)
+        order = [o.item() for o in outs]
+    local = dist.new_group([0, 1], use_local_synchronization=True) if rank < 2 else None
+    local_sum = None
+    if local is not None:
+        x = torch.ones(1)
+        dist.all_reduce(x, group=local)
+        local_sum = x.item()
+    bcast = torch.zeros(1) if rank != 2 else torch.tensor([42.0])
+    dist.broadcast(bcast, group=mine, group_src=1) if rank % 2 == 0 else dist.broadcast(bcast, group=mine, src=3)
+    my_sub, all_subs = dist.new_subgroups(group_size=2)
+    pair = torch.ones(1)
+    dist.all_reduce(pair, group=my_sub)
+    split = dist.split_group(split_ranks=[[0, 3], [1, 2]])
+    split_ranks = dist.get_process_group_ranks(split)
+    result = {
+        "sum": t[0].item(),
+        "outsider": outsider,
+        "warned": any("does not belong to the given group" in str(w.message) for w in caught),
+        "other_rank": dist.get_rank(other),
+        "other_size": dist.get_world_size(other),
+        "group_rank": dist.get_group_rank(mine, rank),
+        "global_rank": dist.get_global_rank(mine, 1),
+        "ranks": dist.get_process_group_ranks(mine),
+        "order": order,
+        "local_sum": local_sum,
+        "bcast": bcast.item(),
+        "pair": pair.item(),
+        "n_subgroups": len(all_subs),
+        "split": split_ranks,
+    }
+    dist.destroy_process_group(mine)
+    dist.barrier()  # WORLD still works after destroying a subgroup
+    with pytest.raises(ValueError, match="not registered"):
+        dist.all_reduce(torch.ones(1), group=mine)
+    return result
+
+
+def test_subgroups_members_and_outsiders():
+    results = run_ranks(_subgroups, 4, backend="tcp")
+    for rank, r in enumerate(results):
+        assert r["sum"] == (2.0 if rank % 2 == 0 else 4.0), r
+        assert r["outsider"] is None and r["warned"], r
+        assert (r["other_rank"], r["other_size"]) == (-1, -1), r
+        assert r["group_rank"] == rank // 2 and r["global_rank"] == (2 if rank % 2 == 0 else 3), r
+        assert r["ranks"] == ([0, 2] if rank % 2 == 0 else [1, 3]), r
+        assert r["bcast"] == (42.0 if rank % 2 == 0 else 0.0) or rank == 3, r
+        assert r["pair"] == 2.0 and r["n_subgroups"] == 2, r
+        assert r["split"] == ([0, 3] if rank in (0, 3) else [1, 2]), r
+    assert results[1]["order"] == [3.0, 1.0] and results[3]["order"] == [3.0, 1.0]
+    assert [r["local_sum"] for r in results] == [2.0, 2.0, None, None]
+
+
+def _subgroup_errors(rank, world):
+    messages = []
+    for call in (lambda: dist.new_subgroups_by_enumeration([[0, 1], [1, 2]]),
+                 lambda: dist.new_subgroups_by_enumeration([[0, world]]),
+                 lambda: dist.new_subgroups(group_size=3),
+                 lambda: dist.get_group_rank(dist.new_group([0]), 1) if rank == 0 else dist.new_group([0])):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_subgroup_argument_errors():
+    messages = run_ranks(_subgroup_errors, 2, backend="tcp")[0]
+    assert "Rank 1 has appeared in both subgroup 0 and 1" in messages[0]
+    assert "out of range" in messages[1]
+    assert "must not exceed the world size" in messages[2]
+    assert "not part of group" in messages[3]
+
+
+def _p2p(rank, world):
+    out = {}
+    if rank == 0:
+        a, b = torch.zeros(2), torch.zeros(2)
+        dist.recv(b, src=1, tag=2)
+        dist.recv(a, src=1, tag=1)
+        out["tags"] = (a.tolist(), b.tolist())
+        senders = sorted(dist.recv(torch.zeros(1), tag=9) for _ in range(world - 1))
+        out["any_source"] = senders
+    else:
+        if rank == 1:
+            w1 = dist.isend(torch.full((2,), 1.0), dst=0, tag=1)
+            w2 = dist.isend(torch.full((2,), 2.0), dst=0, tag=2)
+            w1.wait()
+            w2.wait()
+        dist.send(torch.ones(1), dst=0, tag=9)
+    # A ring with batch_isend_irecv.
+    send, recv = torch.full((3,), float(rank)), torch.zeros(3)
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["ring"] = recv[0].item()
+    objects = [None, None]
+    if rank == 0:
+        dist.send_object_list([{"a": 1}, torch.ones(2)], dst=world - 1)
+    elif rank == world - 1:
+        dist.recv_object_list(objects, src=0)
+        out["objects"] = (objects[0], objects[1].tolist())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_point_to_point(world_size):
+    results = run_ranks(_p2p, world_size, backend="tcp")
+    assert results[0]["tags"] == ([1.0, 1.0], [2.0, 2.0])
+    assert results[0]["any_source"] == list(range(1, world_size))
+    assert [r["ring"] for r in results] == [float((r - 1) % world_size) for r in range(world_size)]
+    assert results[-1]["objects"] == ({"a": 1}, [1.0, 1.0])
+
+
+def test_p2p_op_validation():
+    with pytest.raises(ValueError, match="Invalid ``op``"):
+        dist.P2POp(dist.broadcast, torch.ones(1), 1)
+    with pytest.raises(ValueError, match="Invalid ``p2p_op_list``"):
+        dist.batch_isend_irecv([object()])
+
+
+class _Payload:
+    def __init__(self, rank):
+        self.rank, self.tensor = rank, torch.arange(3) * rank
+
+
+def _objects(rank, world):
+    gathered = [None] * world
+    dist.all_gather_object(gathered, _Payload(rank))
+    bcast = [None, None] if rank else ["config", {"lr": 0.1}]
+    dist.broadcast_object_list(bcast, src=0)
+    at_root = [None] * world if rank == 0 else None
+    dist.gather_object(("from", rank), at_root, dst=0)
+    scattered = [None]
+    dist.scatter_object_list(scattered, [f"item{r}" for r in range(world)] if rank == 0 else None, src=0)
+    return [(p.rank, p.tensor.tolist()) for p in gathered], bcast, at_root, scattered[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_object_collectives(world_size):
+    for rank, (gathered, bcast, at_root, scattered) in enumerate(run_ranks(_objects, world_size, backend="tcp")):
+        assert gathered == [(r, [0, r, 2 * r]) for r in range(world_size)]
+        assert bcast == ["config", {"lr": 0.1}]
+        assert at_root == ([("from", r) for r in range(world_size)] if rank == 0 else None)
+        assert scattered == f"item{rank}"
+
+
+def _monitored(rank, world, missing):
+    if rank in missing:
+        time.sleep(3)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True)
+        return "passed"
+    except dist.DistError as exc:
+        return f"{time.monotonic() - start:.1f}s {exc}"
+
+
+def test_monitored_barrier_passes_and_names_missing_ranks():
+    assert run_ranks(_monitored, 3, args=((),), backend="tcp") == ["passed"] * 3
+    results = run_ranks(_monitored, 4, args=((1, 2),), backend="tcp", timeout=30)
+    assert "Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms" in results[0], results[0]
+    assert "received errors while waiting for send/recv from rank 0" in results[3], results[3]
+
+
+def _mismatch_then_broken(rank, world):
+    t = torch.ones(4)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        first = "no error"
+    except dist.DistBackendError as exc:
+        first = str(exc)
+    elapsed = time.monotonic() - start
+    try:
+        dist.all_reduce(t)
+        later = "no error"
+    except dist.DistBackendError as exc:
+        later = str(exc)
+    return first, later, elapsed
+
+
+def test_mismatched_reduce_ops_raise_on_every_rank_and_break_the_group():
+    for first, later, elapsed in run_ranks(_mismatch_then_broken, 3, backend="tcp"):
+        assert "SUM" in first and "MAX" in first, first
+        assert "broken" in later, later
+        assert elapsed < 10
+
+
+def _dies_or_waits(rank, world):
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        os._exit(7)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1 << 16))
+    except dist.DistError as exc:
+        return f"{time.monotonic() - start:.1f} {exc}"
+    return "no error"
+
+
+def test_dead_rank_is_named_within_seconds():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_dies_or_waits, 3, backend="tcp", timeout=30, grace=15)
+    outcomes = {o.rank: o for o in info.value.outcomes}
+    for rank in (0, 2):
+        message = str(outcomes[rank].result)
+        seconds = float(message.split()[0])
+        assert seconds < 10 and "rank 1" in message, message
