@@ -10,6 +10,7 @@ copied back when the op completes, so strided slices come out right.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Iterable
 
@@ -134,13 +135,16 @@ def all_of(op: str, works: list[Work], outputs: list[torch.Tensor]) -> Work:
     """One Work that completes when every one of ``works`` has, failing with the first error."""
     combined = Work(op, outputs)
     remaining = [len(works)]
+    lock = threading.Lock()  # parts may complete on the caller's thread and the engine's
 
     def on_done(done: Work) -> None:
         if done.exception() is not None:
             combined._fail(done.exception())
             return
-        remaining[0] -= 1
-        if remaining[0] == 0:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
             combined._complete()
 
     if not works:

@@ -85,21 +85,24 @@ def new_group(
     me = default.rank()
     if me not in ranks:
         return NON_GROUP_MEMBER
+    return _derived_group(default, ranks, me, name, backend, timeout, group_desc or "undefined")
+
+
+def _derived_group(parent: ProcessGroup, ranks: list[int], me: int, name: str, backend: str | None,
+                   timeout: timedelta | None, desc: str) -> ProcessGroup:
+    """Build and register a group made from ``parent``, whose backend and timeout it inherits."""
+    if backend is None:
+        backend = None if parent.name() == _DEFAULT_BACKEND_NAME else parent.name()
     pg = build_group(
         ranks=ranks,
         my_global_rank=me,
-        backend=backend if backend is not None else _inherited_backend(default),
-        timeout=as_timedelta(timeout) if timeout is not None else default.timeout,
+        backend=backend,
+        timeout=as_timedelta(timeout) if timeout is not None else parent.timeout,
         group_name=name,
-        group_desc=group_desc or "undefined",
+        group_desc=desc,
     )
     WORLD.register(pg)
     return pg
-
-
-def _inherited_backend(default: ProcessGroup) -> str | None:
-    name = default.name()
-    return None if name == _DEFAULT_BACKEND_NAME else name
 
 
 def new_subgroups_by_enumeration(
@@ -186,17 +189,9 @@ def split_group(
     mine = next((sorted(r) for r in split_ranks if me in r), None)
     if mine is None:
         return None
-    pg = build_group(
-        ranks=mine,
-        my_global_rank=me,
-        backend=backend if backend is not None else _inherited_backend(parent),
-        timeout=as_timedelta(timeout) if timeout is not None else parent.timeout,
-        # Only this split's members name it, so the name comes from its member list.
-        group_name=WORLD.next_group_name(mine, use_local_synchronization=True),
-        group_desc=group_desc or f"split of {parent.group_name}",
-    )
-    WORLD.register(pg)
-    return pg
+    # Only this split's members name it, so the name comes from its member list.
+    name = WORLD.next_group_name(mine, use_local_synchronization=True)
+    return _derived_group(parent, mine, me, name, backend, timeout, group_desc or f"split of {parent.group_name}")
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:

@@ -65,8 +65,11 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group=
             offset += size
 
 
-def _all_gather_padded(tensor: torch.Tensor, pg) -> tuple[list[torch.Tensor], list[int]]:
-    """All-gather byte tensors of different lengths: share lengths, pad to the longest."""
+def _all_gather_padded(tensor: torch.Tensor, pg) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+    """Prepare to all-gather byte tensors of different lengths: share the lengths, pad to the longest.
+
+    Returns (output buffers, every rank's length, this rank's padded tensor).
+    """
     local_size = torch.tensor([tensor.numel()], dtype=torch.long)
     all_sizes = [torch.zeros(1, dtype=torch.long) for _ in range(pg.size())]
     collectives.all_gather(all_sizes, local_size, group=pg)
