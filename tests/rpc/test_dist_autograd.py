@@ -6,6 +6,7 @@ import torch
 
 import torchdist.autograd as dist_autograd
 import torchdist.rpc as rpc
+from torchdist.autograd.engine import FREED_GRAPH_MESSAGE
 from torchdist.optim import DistributedOptimizer
 from torchdist.testing import run_ranks
 
@@ -181,3 +182,62 @@ def test_distributed_optimizer_step_equals_local_optimizer_step():
     same, constructor_error = run_ranks(_optimizer, 3, timeout=30)[0]
     assert same
     assert "Invalid learning rate" in constructor_error and "On WorkerInfo(id=1, name=worker1)" in constructor_error
+
+
+def _square_sum(x):
+    return (x * x).sum() * 2
+
+
+def _retain_graph(rank, world_size):
+    start(rank, world_size)
+    out = {}
+    if rank == 0:
+        w = torch.ones(3, requires_grad=True)
+
+        def attempt(key, fn):
+            try:
+                fn()
+                out[key] = "ok"
+            except RuntimeError as exc:
+                out[key] = str(exc)
+
+        with dist_autograd.context() as c:  # the graph spans both workers
+            loss = rpc.rpc_sync("worker1", _square_sum, args=(w * 3,))
+            attempt("dist1", lambda: dist_autograd.backward(c, [loss]))
+            attempt("dist2", lambda: dist_autograd.backward(c, [loss]))
+            attempt("through_freed", lambda: dist_autograd.backward(c, [loss * 1]))
+            out["g_dist"] = dist_autograd.get_gradients(c)[w]
+        with dist_autograd.context() as c:
+            loss = rpc.rpc_sync("worker1", _square_sum, args=(w * 3,))
+            attempt("retain1", lambda: dist_autograd.backward(c, [loss], retain_graph=True))
+            attempt("retain2", lambda: dist_autograd.backward(c, [loss]))
+            attempt("retain3", lambda: dist_autograd.backward(c, [loss]))
+            out["g_retain"] = dist_autograd.get_gradients(c)[w]
+        with dist_autograd.context() as c:  # a local graph, then a fresh graph in the same context
+            loss = (w * w).sum() * 2
+            attempt("local1", lambda: dist_autograd.backward(c, [loss]))
+            attempt("local2", lambda: dist_autograd.backward(c, [loss]))
+            fresh = rpc.rpc_sync("worker1", _square_sum, args=(w * 3,))
+            attempt("fresh", lambda: dist_autograd.backward(c, [fresh]))
+            out["g_fresh"] = dist_autograd.get_gradients(c)[w]
+        out["w_grad"] = w.grad
+    rpc.shutdown()
+    return out
+
+
+def test_retain_graph_false_frees_the_graph_like_pytorch():
+    """The outcomes torch.distributed.autograd gives for the same program (measured on torch 2.13)."""
+    out = run_ranks(_retain_graph, 2, timeout=30)[0]
+    remote_freed = f"Error on Node 0: Error on Node 1: {FREED_GRAPH_MESSAGE}"
+    assert out["dist1"] == "ok"
+    assert out["dist2"].startswith(remote_freed)
+    assert out["through_freed"].startswith(remote_freed)
+    assert torch.equal(out["g_dist"], torch.full((3,), 36.0))
+    assert (out["retain1"], out["retain2"]) == ("ok", "ok")
+    assert out["retain3"].startswith(remote_freed)
+    assert torch.equal(out["g_retain"], torch.full((3,), 72.0))
+    assert out["local1"] == "ok"
+    assert out["local2"].startswith(f"Error on Node 0: {FREED_GRAPH_MESSAGE}")
+    assert out["fresh"] == "ok"
+    assert torch.equal(out["g_fresh"], torch.full((3,), 40.0))
+    assert out["w_grad"] is None

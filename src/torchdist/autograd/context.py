@@ -12,7 +12,11 @@ Per context and worker:
 - ``grads``: accumulated gradients of this worker's leaves (parameters), keyed by
   the leaf tensor; ``torch.Tensor.grad`` is never touched;
 - ``peers``: workers this context exchanged messages with, told to release it
-  when the driver's ``with`` block ends.
+  when the driver's ``with`` block ends;
+- ``walked``: per running backward pass (``backward id``), the graph nodes with
+  saved tensors that its local passes here went through, and the send points they
+  started from; when a pass with ``retain_graph=False`` finishes, those nodes are
+  marked freed and those send points dropped (see :mod:`.engine`).
 
 The current context is per thread; nesting in one thread raises, as in PyTorch.
 """
@@ -33,8 +37,11 @@ class DistAutogradContext:
         self.context_id = context_id
         self.lock = threading.Lock()
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
-        self.sends: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.sends: dict[int, tuple[int, list[torch.Tensor] | None]] = {}  # None: freed
         self.peers: set[int] = set()
+        self.walked: dict[int, tuple[dict[int, object], set[int]]] = {}  # backward id -> (nodes, send ids)
+        self.finished: set[int] = set()  # backward ids finished here (finishing is propagated once)
+        self.current_pass = None  # the latest local pass (engine._Pass), for nodes run off its thread
         self._send_ids = itertools.count()
 
     def record_send(self, dst: int, tensors: list[torch.Tensor]) -> int:
@@ -43,6 +50,22 @@ class DistAutogradContext:
             self.sends[send_id] = (dst, tensors)
             self.peers.add(dst)
             return send_id
+
+    def record_walk(self, backward_id: int, nodes: dict[int, object], send_id: int | None) -> None:
+        """Remember the saved-tensor nodes (and the send point) one local pass of a backward went through."""
+        with self.lock:
+            walked_nodes, send_ids = self.walked.setdefault(backward_id, ({}, set()))
+            walked_nodes.update(nodes)
+            if send_id is not None and nodes:
+                send_ids.add(send_id)
+
+    def finish_walk(self, backward_id: int) -> tuple[dict[int, object], set[int]] | None:
+        """What backward ``backward_id`` walked here; None if it was finished here already."""
+        with self.lock:
+            if backward_id in self.finished:
+                return None
+            self.finished.add(backward_id)
+            return self.walked.pop(backward_id, ({}, set()))
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
         with self.lock:

@@ -25,24 +25,68 @@ Backward (``backward(context_id, roots)`` on the driver)::
 Every partial gradient that reaches a send point triggers its own pass; since
 backward is linear, the contributions add up to what one local backward over the
 whole graph gives (the reference the tests compare against). The price is that a
-worker's graph may be walked more than once, so it is always retained until the
-context is released; ``retain_graph`` is accepted for compatibility.
+worker's graph may be walked more than once in one backward, so each local pass
+retains it (``torch.autograd.grad(..., retain_graph=True)``).
 
-An error in a remote pass comes back as ``Error on Node <worker id>: ...``.
+``retain_graph=False`` (the default) is applied when the whole backward is done::
+
+    driver: passes done ─► finish(backward id) here, then on every peer of the
+            context, which forwards it to its peers (each worker acts once per id)
+    finish: every node with saved tensors that a pass of this backward walked here
+            is marked freed (``node.metadata``); every send point whose pass walked
+            such nodes is dropped, so the context no longer keeps that graph alive
+
+A later pass that walks a marked node, or reaches a dropped send point, raises
+PyTorch's ``Trying to backward through the graph a second time ...`` on that
+worker. Nodes without saved tensors (a received tensor's node, a sum, a leaf) stay
+walkable, as in PyTorch, whose engine frees only saved tensors. Python has no call
+that frees a node's saved tensors without running it, so what the user's own
+tensors keep alive (the driver's loss and its graph) is freed when they go, not at
+the end of the backward.
+
+Errors follow PyTorch: a failed pass on worker ``n`` raises ``RuntimeError("Error on
+Node n: ...")`` and its callers prefix their own ids, so the driver sees
+``Error on Node 0: Error on Node 1: <cause>``. Remote passes return their error
+message rather than raising it, so the RPC layer adds no text of its own.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import traceback
 from typing import Any
 
 import torch
 
 from .context import DistAutogradContext, container
 
-__all__ = ["backward", "record_send", "recv_hook", "backward_from_send", "release_remote"]
+__all__ = ["FREED_GRAPH_MESSAGE", "backward", "record_send", "recv_hook", "backward_from_send", "finish_backward",
+           "release_remote"]
+
+#: PyTorch's message for a backward through a graph whose saved tensors were freed.
+FREED_GRAPH_MESSAGE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or if "
+    "you need to access saved tensors after calling backward.")
+_FREED_KEY = "torchdist.autograd.freed"  # in node.metadata: a backward with retain_graph=False walked it
+_SAVED_PREFIX = "_raw_saved_"  # attributes of built-in nodes that hold saved tensors
+_saves_by_type: dict[type, bool] = {}
+_backward_ids = itertools.count(1)
 
 _pass_local = threading.local()
+
+
+class _Pass:
+    """The backward pass a thread is running: what a ``_RecvBackward`` reached in it needs."""
+
+    __slots__ = ("backward_id", "retain_graph", "futures")
+
+    def __init__(self, backward_id: int, retain_graph: bool) -> None:
+        self.backward_id = backward_id
+        self.retain_graph = retain_graph
+        self.futures: list = []
 
 
 class _RecvBackward(torch.autograd.Function):
@@ -84,16 +128,30 @@ def recv_hook(context_id: int, src: int, send_id: int):
 def _propagate(src: int, context_id: int, send_id: int, index: int, grad: torch.Tensor) -> None:
     from ..rpc import api as rpc_api  # at call time: rpc imports this package
 
-    pending = getattr(_pass_local, "futures", None)
-    args = (context_id, send_id, index, grad.detach())
-    if pending is None:  # not on the thread that runs the pass: send and wait here
-        rpc_api.rpc_sync(src, backward_from_send, args=args)
-    else:
-        pending.append(rpc_api.rpc_async(src, backward_from_send, args=args))
+    current = getattr(_pass_local, "current", None)
+    if current is None:  # not on the thread that runs the pass (a device thread): the context knows it
+        current = container.retrieve(context_id).current_pass
+    args = (context_id, send_id, index, grad.detach(), current.backward_id, current.retain_graph)
+    current.futures.append(rpc_api.rpc_async(src, backward_from_send, args=args))
 
 
-def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+def _saves_tensors(node: Any) -> bool:
+    """Whether ``node`` holds saved tensors (those are what a backward without retain_graph frees)."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function: its ctx
+        return bool(node.saved_tensors)  # raises PyTorch's own error if a local backward freed them
+    saves = _saves_by_type.get(type(node))
+    if saves is None:
+        saves = _saves_by_type[type(node)] = any(name.startswith(_SAVED_PREFIX) for name in dir(node))
+    return saves
+
+
+def _walk(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, Any]]:
+    """The leaves reachable from ``roots`` and the nodes with saved tensors on the way.
+
+    Raises PyTorch's error if one of those nodes was freed by an earlier backward.
+    """
     leaves: dict[int, torch.Tensor] = {}
+    saving: dict[int, Any] = {}
     seen: dict[int, Any] = {}  # id -> node, holding the node so ids stay unique
     stack = []
     for root in roots:
@@ -106,6 +164,10 @@ def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
         if id(node) in seen:
             continue
         seen[id(node)] = node
+        if _saves_tensors(node):
+            if node.metadata.get(_FREED_KEY):
+                raise RuntimeError(FREED_GRAPH_MESSAGE)
+            saving[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad: a leaf
             leaves[id(variable)] = variable
@@ -113,28 +175,50 @@ def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
         for child, _ in node.next_functions:
             if child is not None:
                 stack.append(child)
-    return list(leaves.values())
+    return list(leaves.values()), saving
 
 
-def _local_pass(context: DistAutogradContext, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    leaves = _reachable_leaves(roots)
-    previous = getattr(_pass_local, "futures", None)
-    _pass_local.futures = futures = []
+class _PassError(Exception):
+    """A local pass failed; ``message`` starts with ``Error on Node <this worker>: ``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _local_pass(context: DistAutogradContext, roots: list[torch.Tensor], grads: list[torch.Tensor],
+                current: _Pass, send_id: int | None = None) -> None:
+    """One local backward from ``roots``; raises :class:`_PassError` (labelled with this worker) on failure."""
+    label = f"Error on Node {container.worker_id}: "
     try:
-        results = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if leaves else ()
-    finally:
-        _pass_local.futures = previous
+        leaves, saving = _walk(roots)
+        if not current.retain_graph:
+            context.record_walk(current.backward_id, saving, send_id)
+        previous = getattr(_pass_local, "current", None)
+        _pass_local.current = current
+        context.current_pass = current
+        try:
+            results = (torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+                       if leaves else ())
+        finally:
+            _pass_local.current = previous
+    except Exception as exc:  # noqa: BLE001 - a user's backward may raise anything; PyTorch reports it so
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        raise _PassError(f"{label}{exc}\n{text}") from exc
     for leaf, grad in zip(leaves, results):
         if grad is not None and leaf.grad_fn is None and not _is_anchor(leaf):
             context.accumulate(leaf, grad)
     errors = []
-    for future in futures:
+    for future in current.futures:  # the passes this one started on other workers
         try:
-            future.wait()
-        except Exception as exc:  # noqa: BLE001 - report the first, after all have finished
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+            error = future.wait()
+        except Exception as exc:  # noqa: BLE001 - the RPC itself failed (the peer died)
+            error = str(exc)
+        if error is not None:
+            errors.append(error)
+    current.futures.clear()
+    if errors:  # the first, after all have finished
+        raise _PassError(label + errors[0])
 
 
 def _is_anchor(leaf: torch.Tensor) -> bool:
@@ -152,22 +236,81 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             raise RuntimeError("requires_grad not set on root")
         if root.numel() != 1:
             raise RuntimeError(f"{tuple(root.shape)} is not a scalar, all roots need to be scalar")
-    _local_pass(context, roots, [torch.ones_like(root) for root in roots])
+    current = _Pass((container.worker_id << 48) + next(_backward_ids), retain_graph)
+    try:
+        _local_pass(context, roots, [torch.ones_like(root) for root in roots], current)
+    except _PassError as exc:
+        error: RuntimeError | None = RuntimeError(exc.message)
+    else:
+        error = None
+    if not retain_graph:
+        finish_backward(context_id, current.backward_id, container.worker_id, error is None)
+    if error is not None:
+        raise error
 
 
-def backward_from_send(context_id: int, send_id: int, index: int, grad: torch.Tensor) -> None:
-    """Run on a sender: continue the pass from the tensor of a send point (an RPC handler)."""
-    from ..rpc import api as rpc_api
+def backward_from_send(context_id: int, send_id: int, index: int, grad: torch.Tensor, backward_id: int,
+                       retain_graph: bool) -> str | None:
+    """Run on a sender: continue the pass from the tensor of a send point (an RPC handler).
 
+    Returns None, or the error message (``Error on Node <this worker>: ...``): the
+    caller prefixes its own id, as PyTorch's engine does.
+    """
     try:
         context = container.retrieve(context_id)
         with context.lock:
             _, tensors = context.sends[send_id]
-        _local_pass(context, [tensors[index]], [grad])
-    except Exception as exc:
-        if "Error on Node" in str(exc):  # already labelled by the worker where it happened
-            raise
-        raise RuntimeError(f"Error on Node {rpc_api.get_worker_info().id}: {exc}") from exc
+        if tensors is None:  # dropped by an earlier backward without retain_graph
+            return f"Error on Node {container.worker_id}: {FREED_GRAPH_MESSAGE}"
+        _local_pass(context, [tensors[index]], [grad], _Pass(backward_id, retain_graph), send_id)
+    except _PassError as exc:
+        return exc.message
+    except RuntimeError as exc:  # the context is gone
+        return f"Error on Node {container.worker_id}: {exc}"
+    return None
+
+
+def finish_backward(context_id: int, backward_id: int, origin: int, succeeded: bool) -> None:
+    """End backward ``backward_id`` here and on the context's other peers (an RPC handler too).
+
+    After a successful backward without ``retain_graph`` the nodes with saved tensors
+    it walked here are marked freed and the send points it started from are dropped;
+    after a failed one they stay usable. Each worker acts once per backward id, so
+    the forwarding stops in cycles of peers.
+    """
+    from ..rpc import api as rpc_api  # at call time: rpc imports this package
+
+    try:
+        context = container.retrieve(context_id)
+    except RuntimeError:
+        return  # released meanwhile: nothing left to free
+    walked = context.finish_walk(backward_id)
+    if walked is None:
+        return
+    nodes, send_ids = walked
+    if succeeded:
+        for node in nodes.values():
+            node.metadata[_FREED_KEY] = True
+        with context.lock:
+            for send_id in send_ids:
+                dst, _ = context.sends[send_id]
+                context.sends[send_id] = (dst, None)
+    if not rpc_api.is_initialized():
+        return
+    me = container.worker_id
+    with context.lock:
+        peers = sorted(context.peers - {origin, me})
+    futures = []
+    for peer in peers:
+        try:
+            futures.append(rpc_api.rpc_async(peer, finish_backward, args=(context_id, backward_id, me, succeeded)))
+        except RuntimeError:  # the peer left: so did its share of the graph
+            continue
+    for future in futures:
+        try:
+            future.wait()
+        except RuntimeError:
+            continue
 
 
 def release_context(context_id: int, origin: int) -> None:

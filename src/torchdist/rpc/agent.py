@@ -42,6 +42,12 @@ Large buffers to a same-host peer travel as memfd segments (see
 
 Calls to self skip the network but not pickling: arguments are copied, as they are
 for a remote worker, and run on the same thread pool.
+
+Membership: the agent knows the workers of the group (``workers``, itself included)
+and has one connection per other worker. A static world gives them all to the
+constructor; a dynamic world (:mod:`~torchdist.rpc.membership`) adds a worker with
+``add_peer`` when it joins and removes it with ``remove_peer`` when it says it
+leaves. A removed worker's connection stays until its GOODBYE and EOF.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from .options import WorkerInfo
 from .serialization import pack_exception, unpack_exception
 from .wire import Frame, FrameKind, FrameReader, send_frame
 
-__all__ = ["TcpAgent", "Codec", "Outgoing", "timeout_error"]
+__all__ = ["TcpAgent", "Codec", "Outgoing", "timeout_error", "unknown_destination"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,11 @@ def timeout_error(timeout: float) -> RuntimeError:
     """PyTorch's message for a call that ran past its timeout."""
     return RuntimeError(f"RPCErr:1:RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
                         "marked with an error")
+
+
+def unknown_destination(me: WorkerInfo, kind: str, value: object) -> RuntimeError:
+    """PyTorch's message for a destination that is not (or no longer) in the group."""
+    return RuntimeError(f"name:{me.name},rank:{me.id} could not find destination {kind} {value}")
 
 
 @dataclass
@@ -139,7 +150,8 @@ class TcpAgent:
     def __init__(self, me: WorkerInfo, workers: dict[int, WorkerInfo], sockets: dict[int, socket.socket],
                  num_threads: int, codec: Codec, handler: Callable[[int, Any, Frame], Any]) -> None:
         self.me = me
-        self.workers = workers
+        self.workers = dict(workers)  # the group now, this worker included (guarded by _lock)
+        self._by_name = {w.name: w for w in self.workers.values()}
         self.codec = codec
         self.handler = handler
         self._lock = threading.Lock()
@@ -160,13 +172,56 @@ class TcpAgent:
     def start(self) -> None:
         """Start the reader threads (after everything a handler needs is in place)."""
         for conn in self._conns.values():
-            conn.sock.setblocking(True)
-            # Larger kernel buffers: fewer wake-ups per large tensor (measured: 64 MiB args +~20%).
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-            conn.frames = FrameReader(conn.sock)
-            self._start_reader(conn)
+            self._open(conn)
         self._timer.start()
+
+    def _open(self, conn: _Connection) -> None:
+        conn.sock.setblocking(True)
+        # Larger kernel buffers: fewer wake-ups per large tensor (measured: 64 MiB args +~20%).
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        conn.frames = FrameReader(conn.sock)
+        self._start_reader(conn)
+
+    # -- membership ------------------------------------------------------------------
+    def add_peer(self, peer: WorkerInfo, sock: socket.socket, greeting: bytes = b"") -> None:
+        """A worker joined: start serving its connection.
+
+        ``greeting`` is sent first, before any frame can be (the send lock is held
+        until the worker is known): the joiner's cue that it may send requests.
+        """
+        conn = _Connection(peer, sock)
+        with conn.send_lock:
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    raise RuntimeError(f"RPC agent of {self.me.name} is shutting down: {peer} cannot join")
+                self._conns[peer.id] = conn
+                self.workers[peer.id] = peer
+                self._by_name[peer.name] = peer
+            if greeting:
+                sock.sendall(greeting)
+            self._open(conn)
+
+    def remove_peer(self, peer_id: int) -> None:
+        """A worker said it leaves: it is no destination any more (its connection ends with its GOODBYE)."""
+        with self._lock:
+            peer = self.workers.pop(peer_id, None)
+            if peer is not None and self._by_name.get(peer.name) is peer:
+                del self._by_name[peer.name]
+
+    def get_worker_info(self, to: str | int) -> WorkerInfo:
+        """The member named ``to`` (or with id ``to``); PyTorch's RuntimeError if there is none now."""
+        with self._lock:
+            info = self._by_name.get(to) if isinstance(to, str) else self.workers.get(to)
+        if info is None:
+            raise unknown_destination(self.me, "name" if isinstance(to, str) else "id", to)
+        return info
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """The workers of the group now, this one included, by id."""
+        with self._lock:
+            return sorted(self.workers.values(), key=lambda w: w.id)
 
     def _start_reader(self, conn: _Connection) -> None:
         conn.reader = threading.Thread(target=self._read_loop, args=(conn,), daemon=True,
@@ -194,7 +249,11 @@ class TcpAgent:
             frame = _loopback_frame(FrameKind.REQUEST, request_id, out)
             self._pool.submit(self._serve, self.me.id, frame)
             return future
-        conn = self._conns.get(dst)
+        with self._lock:
+            conn = self._conns.get(dst)
+        if conn is None:
+            self._complete(request_id, error=unknown_destination(self.me, "id", dst))
+            return future
         try:
             self._send(conn, FrameKind.REQUEST, request_id, out)
         except DistNetworkError as exc:
@@ -203,7 +262,7 @@ class TcpAgent:
 
     def _send(self, conn: _Connection, kind: FrameKind, request_id: int, out: Outgoing) -> None:
         if not conn.alive:
-            raise conn.error or self._lost_error(conn.peer.id)
+            raise conn.error or self._lost_error(conn.peer)
         segments: dict[int, int] = {}
         try:
             if conn.sock.family == _AF_UNIX:  # same host: large buffers as memfd segments
@@ -215,7 +274,7 @@ class TcpAgent:
                            segments)
         except OSError as exc:
             self._lose(conn, exc)
-            raise conn.error from exc
+            raise (conn.error or self._lost_error(conn.peer)) from exc
         finally:
             for fd in segments.values():
                 os.close(fd)
@@ -276,9 +335,10 @@ class TcpAgent:
                 self._send(self._conns[src], kind, request_id, out)
         except DistNetworkError as exc:
             # The caller gave up (timeout) and shut down, or died: nobody waits for this answer.
-            level = logging.INFO if self._conns[src].goodbye else logging.WARNING
+            conn = self._conns[src]
+            level = logging.INFO if conn.goodbye else logging.WARNING
             logger.log(level, "%s: could not answer request %d of %s: %s", self.me.name, request_id,
-                       self.workers[src].name, exc)
+                       conn.peer.name, exc)
         finally:
             with self._lock:
                 self._serving -= 1
@@ -307,8 +367,18 @@ class TcpAgent:
             try:
                 frame = conn.frames.read_frame()
             except (OSError, EOFError, ValueError) as exc:
-                if conn.goodbye or self._closing:
+                if self._closing:
                     conn.alive = False
+                elif conn.goodbye:  # the peer left (and the group goes on): close our side, so it sees EOF
+                    with self._lock:
+                        conn.alive = False
+                        conn.error = self._lost_error(conn.peer)
+                        unanswered = [rid for rid, p in self._pending.items() if p.dst == conn.peer.id]
+                    with conn.send_lock:
+                        conn.sock.close()
+                    conn.frames.close()
+                    for request_id in unanswered:
+                        self._complete(request_id, error=conn.error)
                 else:
                     self._lose(conn, exc)
                 return
@@ -326,8 +396,8 @@ class TcpAgent:
             else:
                 self._on_answer(frame, conn.peer.id)
 
-    def _lost_error(self, peer: int) -> DistNetworkError:
-        name = self.workers[peer].name
+    def _lost_error(self, peer: WorkerInfo) -> DistNetworkError:
+        name = peer.name
         return DistNetworkError(f"RPC agent of {self.me.name}: the connection to {name} is closed: {name} "
                                 f"shut down or died. See its log for the cause.")
 
@@ -436,7 +506,9 @@ class TcpAgent:
                 logger.warning("%s: closing with %d requests still being served", self.me.name, self._serving)
             self._closing = True
             self._timer_wake.notify()
-        for conn in self._conns.values():
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
             if graceful and conn.alive:
                 try:
                     with conn.send_lock:
@@ -445,7 +517,7 @@ class TcpAgent:
                 except OSError:
                     pass
         deadline = time.monotonic() + (2.0 if graceful else 0.0)
-        for conn in self._conns.values():
+        for conn in conns:
             if graceful and conn.reader is not None:
                 conn.reader.join(max(0.0, deadline - time.monotonic()))  # until the peer's EOF
             try:

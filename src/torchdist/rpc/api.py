@@ -1,10 +1,16 @@
 """The RPC entry points: ``init_rpc``, ``shutdown``, ``rpc_sync``/``rpc_async``/``remote``, worker infos.
 
 One :class:`_Runtime` per process holds everything ``init_rpc`` built (agent, RRef
-context, the job's worker infos, the default timeout); ``shutdown`` tears it down,
-after which ``init_rpc`` may be called again.
+context, the default timeout; the agent knows the group's workers); ``shutdown``
+tears it down, after which ``init_rpc`` may be called again.
 
-Start-up (every worker)::
+Two kinds of group, one agent. With ``world_size`` the group is *static*: every
+worker starts together and the agent gets all its peers at once (below). With
+``world_size=None`` it is *dynamic*: workers join and leave one at a time, and the
+agent gains and loses peers as they do (see :mod:`.membership`). A job is one
+kind or the other (``rpc/is_static_group`` in the store).
+
+Start-up of a static group (every worker)::
 
     rendezvous(init_method) ─► store; RPC keys under PrefixStore("rpc/<generation>")
       publish name, read every worker's name ─► duplicates raise "... is not unique"
@@ -13,14 +19,15 @@ Start-up (every worker)::
         and move it to a Unix socket if the peer is on this host (rpc/same_host.py)
       start the agent (reader threads, thread pool)
 
-Graceful shutdown (every worker)::
+Graceful shutdown of a static group (every worker)::
 
     wait for this worker's calls ─► barrier 1 (worker 0 counts, over RPC)
       delete every UserRRef and wait for the owners' acks ─► barrier 2
       GOODBYE on every connection, close
 
 After barrier 1 no worker issues new work, so what remains are deletions;
-after barrier 2 nothing is in flight anywhere.
+after barrier 2 nothing is in flight anywhere. A worker of a dynamic group waits
+for its own calls and deletions only, then leaves (``membership.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ import torch
 
 from .._store import PrefixStore
 from .._store.rendezvous import rendezvous
+from ..errors import DistError
 from .._transport.mesh import connect_mesh
 from ..autograd.context import container as autograd_contexts
 from . import rref_context, same_host
+from . import membership
 from .agent import TcpAgent
 from .dispatch import RequestKind, RpcCodec, handle_request
 from .handshake import authenticate, job_secret
@@ -52,28 +61,21 @@ _NOT_INITIALIZED = "RPC has not been initialized. Call torchdist.rpc.init_rpc fi
 
 
 class _Runtime:
-    def __init__(self, me: WorkerInfo, workers: list[WorkerInfo], timeout: float) -> None:
+    def __init__(self, me: WorkerInfo, timeout: float, world_size: int | None) -> None:
         self.me = me
-        self.workers = workers
-        self.by_name = {w.name: w for w in workers}
         self.timeout = timeout
         self.agent: TcpAgent | None = None
         self.rrefs: rref_context.RRefContext | None = None
-        self.barrier = _Barrier(len(workers))
+        self.barrier = _Barrier(world_size) if world_size else None  # static groups only
+        self.membership: membership.Membership | None = None  # dynamic groups only
+        self.listener: membership.Listener | None = None
         self.store: Any = None  # kept alive: worker 0 hosts the job's TCPStore server
 
     def resolve(self, to: str | WorkerInfo | int) -> int:
         if isinstance(to, WorkerInfo):
             to = to.name
-        if isinstance(to, str):
-            info = self.by_name.get(to)
-            if info is None:
-                raise RuntimeError(f"name:{self.me.name},rank:{self.me.id} could not find destination name {to}")
-            return info.id
-        if isinstance(to, int) and not isinstance(to, bool):
-            if not 0 <= to < len(self.workers):
-                raise RuntimeError(f"name:{self.me.name},rank:{self.me.id} could not find destination id {to}")
-            return to
+        if isinstance(to, str) or (isinstance(to, int) and not isinstance(to, bool)):
+            return self.agent.get_worker_info(to).id
         raise TypeError(f"RPC destination must be a worker name, WorkerInfo or rank, got {type(to).__name__}")
 
     def call_timeout(self, timeout: float | None) -> float:
@@ -105,49 +107,104 @@ def is_initialized() -> bool:
 # -- init --------------------------------------------------------------------------------------
 def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
-    """Start this worker's RPC agent and meet the other ``world_size - 1`` workers."""
-    global _runtime
+    """Start this worker's RPC agent and meet the other ``world_size - 1`` workers.
+
+    ``world_size=None``: join a dynamic group instead (this worker's ``rank`` is
+    required; see :mod:`.membership`).
+    """
     if backend is not None and backend != BackendType.TENSORPIPE:
         raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
     options = rpc_backend_options if rpc_backend_options is not None else TensorPipeRpcBackendOptions()
     if not isinstance(options, TensorPipeRpcBackendOptions):
         raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`, got {type(options)}")
     validate_worker_name(name)
-    if world_size is None:
-        raise ValueError("torchdist.rpc needs a static world: pass world_size to init_rpc "
-                         "(dynamic membership, world_size=None, is not supported)")
+    if world_size is not None and (not isinstance(world_size, int) or world_size <= 0):
+        raise ValueError(f"init_rpc: world_size must be a positive int or None (a dynamic group), got {world_size!r}")
     with _init_lock:
         if _runtime is not None:
             raise RuntimeError("RPC is already initialized")
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else 0.0
         store_timeout = timedelta(seconds=timeout or DEFAULT_RPC_TIMEOUT_SEC)
-        store, rank, world_size = next(rendezvous(options.init_method, rank, world_size, timeout=store_timeout))
-        generation = store.add(f"rpc/generation/{rank}", 1)  # init_rpc rounds of one job stay apart
-        store = PrefixStore(f"rpc/{generation}", store)
-        workers = _gather_names(store, name, rank, world_size)
-        runtime = _Runtime(workers[rank], workers, timeout)
-        runtime.store = store
-        sockets = connect_mesh(store, rank, world_size, store_timeout.total_seconds(), list(range(world_size)),
-                               f"rpc agent {name}")
+        shm = options._transports is None or "shm" in options._transports
+        if world_size is None:
+            _join_dynamic(name, rank, options, timeout, store_timeout, shm)
+        else:
+            _start_static(name, rank, world_size, options, timeout, store_timeout, shm)
+    logger.info("rpc: %s started (%s)", _runtime.me,
+                f"{world_size} workers" if world_size else "dynamic group")
+
+
+def _start_static(name: str, rank: int, world_size: int, options: TensorPipeRpcBackendOptions, timeout: float,
+                  store_timeout: timedelta, shm: bool) -> None:
+    """(init lock held) Meet all ``world_size`` workers at once: the membership is known up front."""
+    store, rank, world_size = next(rendezvous(options.init_method, rank, world_size, timeout=store_timeout))
+    membership.check_group_kind(store, static=True)
+    generation = store.add(f"rpc/generation/{rank}", 1)  # init_rpc rounds of one job stay apart
+    store = PrefixStore(f"rpc/{generation}", store)
+    workers = _gather_names(store, name, rank, world_size)
+    sockets = connect_mesh(store, rank, world_size, store_timeout.total_seconds(), list(range(world_size)),
+                           f"rpc agent {name}")
+    try:
+        secret = job_secret()
+        for peer in sorted(sockets):  # one global order of pairs: handshakes cannot wait in a cycle
+            initiator = rank > peer  # connect_mesh: the higher rank of a pair dials
+            authenticate(sockets[peer], initiator, repr(workers[peer]), secret, store_timeout.total_seconds())
+            sockets[peer] = same_host.upgrade(sockets[peer], initiator, repr(workers[peer]), shm,
+                                              store_timeout.total_seconds())
+    except BaseException:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    runtime = _Runtime(workers[rank], timeout, world_size)
+    runtime.store = store
+    _start(runtime, {w.id: w for w in workers}, sockets, options.num_worker_threads)
+
+
+def _join_dynamic(name: str, rank: int, options: TensorPipeRpcBackendOptions, timeout: float,
+                  store_timeout: timedelta, shm: bool) -> None:
+    """(init lock held) Join a dynamic group: connect to its members now, accept later joiners."""
+    store, rank = membership.dynamic_store(options.init_method, rank, store_timeout)
+    membership.check_group_kind(store, static=False)
+    me = WorkerInfo(name, rank)
+    runtime = _Runtime(me, timeout, None)
+    runtime.store = store
+    runtime.membership = group = membership.Membership(store, me, store_timeout.total_seconds())
+    secret = job_secret()
+    with group.token("join"):
+        members = group.claim()
         try:
-            secret = job_secret()
-            shm = options._transports is None or "shm" in options._transports
-            for peer in sorted(sockets):  # one global order of pairs: handshakes cannot wait in a cycle
-                authenticate(sockets[peer], rank, peer, repr(workers[peer]), secret, store_timeout.total_seconds())
-                sockets[peer] = same_host.upgrade(sockets[peer], rank, peer, repr(workers[peer]), shm,
-                                                  store_timeout.total_seconds())
+            sockets = group.connect(members, secret, shm)
         except BaseException:
-            for sock in sockets.values():
-                sock.close()
+            group.withdraw()
             raise
-        runtime.rrefs = rref_context.RRefContext(rank, _internal_send)
-        rref_context.set_current(runtime.rrefs)
-        autograd_contexts.set_worker_id(rank)
-        runtime.agent = TcpAgent(runtime.me, {w.id: w for w in workers}, sockets, options.num_worker_threads,
-                                 RpcCodec(), handle_request)
-        _runtime = runtime
-        runtime.agent.start()
-    logger.info("rpc: %s started (%d workers)", runtime.me, world_size)
+        runtime.listener = membership.Listener(group, secret, shm, _on_join)
+        workers = {info.id: info for info, _ in members}
+        workers[rank] = me
+        _start(runtime, workers, sockets, options.num_worker_threads)
+        runtime.listener.start()
+        group.publish(runtime.listener.address)
+
+
+def _start(runtime: _Runtime, workers: dict[int, WorkerInfo], sockets: dict, num_threads: int) -> None:
+    global _runtime
+    runtime.rrefs = rref_context.RRefContext(runtime.me.id, _internal_send)
+    rref_context.set_current(runtime.rrefs)
+    autograd_contexts.set_worker_id(runtime.me.id)
+    runtime.agent = TcpAgent(runtime.me, workers, sockets, num_threads, RpcCodec(), handle_request)
+    _runtime = runtime
+    runtime.agent.start()
+
+
+def _on_join(info: WorkerInfo, sock, ack: bytes) -> None:
+    """(listener thread) A worker joined this dynamic group: serve it, then let it go on."""
+    _get().agent.add_peer(info, sock, ack)
+
+
+def _member_left(worker_id: int) -> None:
+    """RPC handler: a member of this dynamic group leaves; it is no destination any more."""
+    runtime = _runtime
+    if runtime is not None:
+        runtime.agent.remove_peer(worker_id)
 
 
 def _gather_names(store, name: str, rank: int, world_size: int) -> list[WorkerInfo]:
@@ -156,7 +213,8 @@ def _gather_names(store, name: str, rank: int, world_size: int) -> list[WorkerIn
     seen: dict[str, int] = {}
     for r, other in enumerate(names):
         if other in seen:
-            raise RuntimeError(f"RPC worker name {other} is not unique. Workers {seen[other]} and {r} share it.")
+            raise RuntimeError(f"RPC worker name {other} is not unique. Workers {seen[other]} and {r} share the "
+                               "same name.")
         seen[other] = r
     return [WorkerInfo(n, r) for r, n in enumerate(names)]
 
@@ -237,7 +295,12 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     runtime = _get()
     if worker_name is None:
         return runtime.me
-    return runtime.workers[runtime.resolve(worker_name)]
+    return runtime.agent.get_worker_info(worker_name)
+
+
+def _get_current_rpc_agent() -> TcpAgent:
+    """This worker's agent (PyTorch's name): ``get_worker_infos()`` lists the group now."""
+    return _get().agent
 
 
 def get_rpc_timeout() -> float:
@@ -286,15 +349,22 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     global _runtime
     runtime = _get()
     limit = timeout if timeout and timeout > 0 else None
+    static = runtime.barrier is not None
     try:
         if graceful:
             runtime.agent.wait_idle(limit)
             runtime.rrefs.wait_children(limit or 60.0)
-            rpc_sync(0, _barrier_arrive, args=(1, runtime.me.id), timeout=0)
+            if static:
+                rpc_sync(0, _barrier_arrive, args=(1, runtime.me.id), timeout=0)
             runtime.rrefs.delete_all_users(limit or 60.0)
             runtime.agent.wait_idle(limit)
-            rpc_sync(0, _barrier_arrive, args=(2, runtime.me.id), timeout=0)
+            if static:
+                rpc_sync(0, _barrier_arrive, args=(2, runtime.me.id), timeout=0)
+        if not static:
+            _leave(runtime, notify=graceful)
     finally:
+        if runtime.listener is not None:
+            runtime.listener.close()
         with _init_lock:
             _runtime = None
             runtime.agent.close(graceful)
@@ -302,3 +372,34 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             rref_context.set_current(None)
             autograd_contexts.clear()
     logger.info("rpc: %s shut down", runtime.me)
+
+
+def _leave(runtime: _Runtime, notify: bool) -> None:
+    """Leave a dynamic group: drop out of the store's membership, then (graceful) tell every member.
+
+    Without the store (worker 0, which hosts it, left first) the members are still
+    told: they are known here.
+    """
+    group = runtime.membership
+    told = False
+    try:
+        with group.token("leave"):
+            group.withdraw()
+            if notify:
+                told = True
+                _tell_members_left(runtime)
+    except (DistError, OSError) as exc:
+        logger.warning("rpc: %s could not update the group's membership in the store (%s); leaving anyway",
+                       runtime.me, exc)
+    if notify and not told:
+        _tell_members_left(runtime)
+
+
+def _tell_members_left(runtime: _Runtime) -> None:
+    futures = [(info, rpc_async(info.id, _member_left, args=(runtime.me.id,), timeout=0))
+               for info in runtime.agent.get_worker_infos() if info.id != runtime.me.id]
+    for info, future in futures:
+        try:
+            future.wait()
+        except RuntimeError as exc:  # it died or left meanwhile: nothing to tell it
+            logger.info("rpc: %s could not tell %s that it leaves: %s", runtime.me, info, exc)

@@ -3,10 +3,11 @@
 RPC executes code sent by peers (pickles name functions to run), so a connection
 must prove it belongs to the job before its first frame is read. The job secret
 is the launcher's (``TORCHDIST_SECRET``, see :mod:`torchdist._auth`, whose
-primitives this module carries over the mesh sockets). The lower worker id of a
-pair accepted the connection and plays the server::
+primitives this module carries over the RPC sockets). The worker that accepted the
+connection plays the server: in a static world the lower id of the pair, in a
+dynamic one the member that a joining worker dialed::
 
-    higher id (client)                               lower id (server)
+    initiator (client: dialed)                     acceptor (server)
       HELLO(magic, version, has_secret) ─────────────►
       ◄───────────── HELLO(magic, version, has_secret)   both must agree on has_secret
       client_nonce ──────────────────────────────────►
@@ -50,9 +51,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def authenticate(sock: socket.socket, my_id: int, peer_id: int, peer_name: str, secret: bytes | None,
+def authenticate(sock: socket.socket, initiator: bool, peer_name: str, secret: bytes | None,
                  timeout: float) -> None:
-    """Run the handshake on a connected socket; raise DistNetworkError if the peer fails it."""
+    """Run the handshake on a connected socket; raise DistNetworkError if the peer fails it.
+
+    ``initiator``: this worker dialed the connection (and plays the client).
+    """
     previous = sock.gettimeout()
     sock.settimeout(timeout)
     try:
@@ -68,7 +72,7 @@ def authenticate(sock: socket.socket, my_id: int, peer_id: int, peer_name: str, 
                 f"not agree. Set {SECRET_ENV} to the same value on every worker (torchdist-run does this).")
         if secret is None:
             return
-        if my_id > peer_id:  # we dialed: the client side
+        if initiator:
             client = ClientHandshake(secret)
             sock.sendall(client.hello())
             sock.sendall(client.answer(_recv_exact(sock, NONCE_BYTES + PROOF_BYTES), peer=peer_name))

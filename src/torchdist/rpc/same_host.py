@@ -94,11 +94,11 @@ def _recv_blob(sock: socket.socket) -> bytes:
     return _recv_exact(sock, length)
 
 
-def upgrade(sock: socket.socket, my_id: int, peer_id: int, peer_name: str, enabled: bool,
-            timeout: float) -> socket.socket:
+def upgrade(sock: socket.socket, initiator: bool, peer_name: str, enabled: bool, timeout: float) -> socket.socket:
     """Return a Unix socket to the peer if it runs on this host (and both enable it), else ``sock``.
 
-    ``sock`` is the authenticated TCP connection; it is closed when replaced.
+    ``sock`` is the authenticated TCP connection; it is closed when replaced. The
+    side that did not dial it (``initiator`` False) plays the server.
     """
     previous = sock.gettimeout()
     sock.settimeout(timeout)
@@ -108,7 +108,7 @@ def upgrade(sock: socket.socket, my_id: int, peer_id: int, peer_name: str, enabl
         theirs = _recv_blob(sock)
         if not ident or ident != theirs:
             return sock
-        unix = _server_side(sock, timeout) if my_id < peer_id else _client_side(sock, timeout)
+        unix = _client_side(sock, timeout) if initiator else _server_side(sock, timeout)
     except OSError as exc:
         raise DistNetworkError(f"RPC same-host upgrade with {peer_name} failed: {exc}") from exc
     finally:
