@@ -61,8 +61,10 @@ def _rebuild(rank, world_size):
 
 def test_buckets_rebuilt_in_arrival_order():
     before, after, rebuilt = run_ranks(_rebuild, 2, backend="gloo")[0]
-    # parameters: a.weight 0, a.bias 1, b.weight 2, b.bias 3, c.weight 4, c.bias 5
-    assert before[0][0] == 5, f"initial buckets must start from the last parameter: {before}"
+    # parameters: a.weight 0, a.bias 1, b.weight 2, b.bias 3, c.weight 4, c.bias 5. The weights
+    # (144 bytes) fill the 104-byte limit on their own: solo buckets, closed at once, in reverse
+    # order; the biases (24 bytes) share the coalesced bucket left open, reduced last.
+    assert before == [[4], [2], [0], [5, 3, 1]], f"initial buckets must walk the parameters backwards: {before}"
     assert rebuilt
     arrival = [i for bucket in after for i in bucket]
     assert arrival.index(2) < arrival.index(0) < arrival.index(4), f"rebuilt buckets {after} not in arrival order"
@@ -100,8 +102,8 @@ def test_forward_without_backward_is_harmless():
     assert_close_states(got[0], train_reference("mlp", 2, 2))
 
 
-def _no_sync(rank, world_size, view):
-    ddp = DDP(build("mlp"), gradient_as_bucket_view=view)
+def _no_sync(rank, world_size, view, cap):
+    ddp = DDP(build("mlp"), gradient_as_bucket_view=view, bucket_cap_mb=cap)
     x, y = full_batches("mlp", world_size, 1)[0]
     with ddp.no_sync():  # first micro-batch: local accumulation only
         F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
@@ -110,9 +112,10 @@ def _no_sync(rank, world_size, view):
     return local, [p.grad.clone() for p in ddp.parameters()]
 
 
+@pytest.mark.parametrize("cap", [None, 0.002], ids=["coalesced", "solo"])  # 0.002: net2.weight is solo
 @pytest.mark.parametrize("view", [False, True])
-def test_no_sync_accumulates_then_reduces(view):
-    results = run_ranks(_no_sync, 2, args=(view,), backend="gloo")
+def test_no_sync_accumulates_then_reduces(view, cap):
+    results = run_ranks(_no_sync, 2, args=(view, cap), backend="gloo")
     model = build("mlp")
     x, y = full_batches("mlp", 2, 1)[0]
     for rank in range(2):  # reference: each rank's local grad, and 2x the full-batch average

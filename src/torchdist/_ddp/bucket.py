@@ -8,11 +8,27 @@ packed into *buckets* of up to ``bucket_cap_mb``: the collective of a bucket
 starts as soon as all of its gradients are ready, so communication of the later
 layers overlaps the backward computation of the earlier ones.
 
+Two kinds of bucket:
+
+- *coalesced*: small parameters share a flat tensor that the bucket owns; each
+  gradient is copied (divided by the world size) into its slot, and the reduced
+  slot is copied back to ``.grad`` (or ``.grad`` is the slot, with
+  ``gradient_as_bucket_view``);
+- *solo*: a parameter of at least ``solo_param_bytes`` (1 MiB), or one that fills
+  its bucket's limit on its own, is reduced alone, in place in its ``.grad``:
+  large gradients are already good collective sizes, and the copy in and out
+  (2 x 21 MB per step for a 5M-parameter model) costs more than the extra
+  collective. The bucket owns a flat tensor only when ``.grad`` cannot be
+  reduced in place (no gradient this iteration, sparse, not contiguous).
+
 Bucket order (section 3.2.3, "Parameter-to-Bucket Mapping"): gradients become
 ready roughly in the reverse order of the forward pass, so the first assignment
 walks the parameters in reverse order; after the first iteration the buckets are
-rebuilt in the order the gradients actually arrived (see ``Reducer``). The first
-bucket is kept small (1 MiB) so that the first collective starts early.
+rebuilt in the order the gradients actually arrived (see ``Reducer``). A bucket's
+index is the position at which it was closed, so buckets complete in index
+order: a solo bucket at once, a coalesced one when it reaches its limit (the
+first limit is small, 1 MiB, so that the first collective starts early) or, if
+it never does, after all others.
 
 ``GradBucket`` is what communication hooks receive; its API is PyTorch's.
 """
@@ -26,67 +42,113 @@ import torch
 __all__ = ["Bucket", "GradBucket", "assign_buckets"]
 
 
-def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
-    """Group the parameter indices of ``order`` into buckets of at most ``limits`` bytes.
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    Walks ``order`` and appends each parameter to the open bucket of its dtype; a
-    bucket is closed once it holds ``limit`` bytes or more, and the next bucket of
-    that dtype gets the next limit (the last limit repeats). Buckets come out in
-    the order they were closed, then the ones left open, so they follow
-    ``order``. A parameter with sparse gradients would need its own bucket; DDP
-    densifies them, so they are treated like any other parameter.
+
+def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int],
+                   solo_bytes: int | None = None) -> list[tuple[list[int], bool]]:
+    """Group the parameter indices of ``order`` into buckets: ``[(indices, solo), ...]``.
+
+    Walks ``order``; a parameter of at least ``min(solo_bytes, limit)`` bytes gets
+    a solo bucket of its own, closed at once. The others join the open bucket of
+    their dtype, which is closed once it holds ``limit`` bytes or more. Each
+    closed bucket moves its dtype to the next limit (the last one repeats).
+    Buckets come out in the order they were closed, then the ones left open.
+    ``solo_bytes=None`` never makes solo buckets. A parameter with sparse
+    gradients would need its own bucket; DDP densifies them, so they are treated
+    like any other parameter.
     """
     open_buckets: dict[torch.dtype, list[int]] = {}
     sizes: dict[torch.dtype, int] = {}
     limit_index: dict[torch.dtype, int] = {}
-    result: list[list[int]] = []
+    result: list[tuple[list[int], bool]] = []
     for index in order:
         p = params[index]
-        key = p.dtype
+        key, nbytes = p.dtype, _nbytes(p)
+        limit = limits[min(limit_index.get(key, 0), len(limits) - 1)]
+        if solo_bytes is not None and nbytes >= min(solo_bytes, limit):
+            result.append(([index], True))
+            limit_index[key] = limit_index.get(key, 0) + 1
+            continue
         bucket = open_buckets.setdefault(key, [])
         bucket.append(index)
-        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-        limit = limits[min(limit_index.get(key, 0), len(limits) - 1)]
+        sizes[key] = sizes.get(key, 0) + nbytes
         if sizes[key] >= limit:
-            result.append(bucket)
+            result.append((bucket, False))
             open_buckets[key] = []
             sizes[key] = 0
             limit_index[key] = limit_index.get(key, 0) + 1
-    result.extend(b for b in open_buckets.values() if b)
+    result.extend((b, False) for b in open_buckets.values() if b)
     return result
 
 
 class Bucket:
-    """One bucket: its parameters, their flat gradient tensor, and this iteration's progress."""
+    """One bucket: its parameters, the flat tensor reduced this iteration, and progress.
 
-    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor]) -> None:
+    ``buffer`` is the flat tensor that this iteration's collective reduces: the
+    bucket's own (``storage()``) or, for a solo bucket whose ``.grad`` can be
+    reduced in place, ``.grad`` flattened (``in_grad`` is then True).
+    """
+
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], solo: bool = False) -> None:
         self.index = index
         self.param_indices = param_indices
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.solo = solo
+        self.numel = sum(p.numel() for p in params)
+        self.dtype = params[0].dtype
         self.offsets: list[int] = []
-        self.views: list[torch.Tensor] = []  # views[k]: params[k]'s gradient inside buffer
         offset = 0
         for p in params:
             self.offsets.append(offset)
-            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
+        self._storage: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self.buffer: torch.Tensor | None = None if solo else self.storage()
+        self.in_grad = False  # this iteration's buffer is the solo parameter's .grad
         self.pending = len(params)  # parameters not ready yet in this iteration
         self.work = None  # the default all-reduce's Work, or
         self.future: torch.futures.Future | None = None  # the comm hook's Future
+
+    def storage(self) -> torch.Tensor:
+        """The bucket's own flat tensor (allocated on first use for a solo bucket)."""
+        if self._storage is None:
+            p = self.params[0]
+            self._storage = torch.zeros(self.numel, dtype=self.dtype, device=p.device)
+            self._views = [self._storage[o:o + q.numel()].view(q.shape) for q, o in zip(self.params, self.offsets)]
+        return self._storage
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """``views[k]``: ``params[k]``'s slot in the bucket's own flat tensor."""
+        self.storage()
+        return self._views
+
+    def use_grad(self, grad: torch.Tensor) -> None:
+        """Solo bucket: reduce ``grad`` (contiguous, dense) in place this iteration."""
+        self.buffer = grad.view(-1)
+        self.in_grad = True
+
+    def use_storage(self) -> None:
+        self.buffer = self.storage()
+        self.in_grad = False
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None
         self.future = None
+        if self.solo:
+            self.buffer = None  # no reference to last iteration's gradient
+            self.in_grad = False
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.numel * self.params[0].element_size()
 
     def __repr__(self) -> str:
-        return f"Bucket({self.index}, params={self.param_indices}, {self.nbytes} bytes)"
+        kind = "solo" if self.solo else "coalesced"
+        return f"Bucket({self.index}, {kind}, params={self.param_indices}, {self.nbytes} bytes)"
 
 
 class GradBucket:

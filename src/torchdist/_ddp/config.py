@@ -4,10 +4,14 @@ Vocabulary used across ``torchdist._ddp``:
 
 - *parameter index*: a parameter's position in the list DDP reduces (the
   module's parameters that require grad, shared ones once, ignored ones left out);
-- *bucket*: a group of parameters whose gradients live in one flat tensor and are
-  all-reduced by one collective;
+- *bucket*: a group of parameters whose gradients are all-reduced by one
+  collective over one flat tensor;
+- *coalesced bucket*: a bucket that owns its flat tensor; each gradient is copied
+  into its slot;
+- *solo bucket*: one large parameter whose flat tensor is its own ``.grad``
+  (flattened), all-reduced in place: nothing is copied;
 - *ready*: a parameter is ready once its gradient for this iteration has been
-  accumulated (its autograd hook fired) and copied into its bucket; a bucket is
+  accumulated (its autograd hook fired) and placed in its bucket; a bucket is
   ready when all its parameters are.
 """
 
@@ -15,13 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+__all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_SOLO_PARAM_BYTES", "MiB"]
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: PyTorch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket (the last layers'
 #: gradients, which arrive first) is kept small so that communication starts early.
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+#: A parameter of at least this many bytes (or of at least its bucket's limit) gets a
+#: solo bucket: its gradient is all-reduced in place instead of being copied into a
+#: flat tensor and back. Below it, coalescing wins: on the 2-core VM one more
+#: collective costs 0.1-0.3 ms (issue, worker wake-up), copying 1 MiB in and out
+#: about as much (docs/benchmarks.md, "DDP").
+DEFAULT_SOLO_PARAM_BYTES = 1 * MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,8 +46,11 @@ class DDPConfig:
     static_graph: bool = False
     broadcast_buffers: bool = True
     init_sync: bool = True
+    solo_param_bytes: int = DEFAULT_SOLO_PARAM_BYTES
 
     def __post_init__(self) -> None:
+        if self.solo_param_bytes <= 0:
+            raise ValueError(f"solo_param_bytes must be positive, got {self.solo_param_bytes!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
         if self.first_bucket_bytes <= 0:

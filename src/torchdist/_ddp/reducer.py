@@ -5,15 +5,18 @@ Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
 
 - an autograd hook on every parameter (``register_post_accumulate_grad_hook``)
   fires once its gradient for the iteration has been accumulated into ``.grad``;
-  the hook *marks the parameter ready*: it copies the gradient, divided by the
-  world size, into the parameter's slot of its bucket's flat tensor (with
-  ``gradient_as_bucket_view`` the ``.grad`` *is* that slot and nothing is copied);
+  the hook *marks the parameter ready*: a large parameter's ``.grad`` is divided
+  by the world size in place and is itself the flat tensor of its solo bucket;
+  a small one is copied, divided, into its slot of a coalesced bucket (with
+  ``gradient_as_bucket_view`` the ``.grad`` *is* that slot and nothing is
+  copied). See ``bucket.py``;
 - when the last parameter of a bucket is ready, the bucket's all-reduce (or the
   registered communication hook) starts *asynchronously*, so it overlaps the rest
   of backward. Buckets are launched strictly in index order, because every rank
   must issue the same collectives in the same order (section 3.2.3);
 - a callback queued on the autograd engine runs when backward ends: it waits for
-  every bucket and writes the averaged gradients back to ``.grad``;
+  every bucket in order and writes each one's averaged gradients back to
+  ``.grad`` as soon as it is reduced (nothing to write for a solo bucket);
 - after the first iteration the buckets are rebuilt in the order the gradients
   actually arrived, rank 0's order broadcast so that all ranks agree.
 
@@ -130,8 +133,9 @@ class Reducer:
     # -- buckets ---------------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
         """(Re)create the buckets over ``order``; with bucket views, point ``.grad`` at them."""
-        groups = assign_buckets(self._params, order, self._config.size_limits())
-        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx]) for i, idx in enumerate(groups)]
+        groups = assign_buckets(self._params, order, self._config.size_limits(), self._config.solo_param_bytes)
+        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx], solo)
+                         for i, (idx, solo) in enumerate(groups)]
         self._where = [(0, 0)] * len(self._params)
         for bucket in self._buckets:
             for slot, index in enumerate(bucket.param_indices):
@@ -139,6 +143,8 @@ class Reducer:
         if self._config.gradient_as_bucket_view:
             with torch.no_grad():
                 for bucket in self._buckets:
+                    if bucket.solo:
+                        continue  # the gradient is its own bucket
                     for p, view in zip(bucket.params, bucket.views):
                         if p.grad is not None:
                             view.copy_(p.grad)
@@ -200,7 +206,7 @@ class Reducer:
         """On a joined rank: shadow one backward's collectives with zero gradients."""
         pending = []
         for bucket in self._buckets:
-            zeros = torch.zeros_like(bucket.buffer)
+            zeros = torch.zeros(bucket.numel, dtype=bucket.dtype)
             if self._comm_hook is None:
                 pending.append(all_reduce(zeros, group=self._group, async_op=True))
             else:
@@ -351,9 +357,24 @@ class Reducer:
         return self._divisor
 
     def _copy_in(self, bucket: Bucket, slot: int, used: bool) -> None:
-        """Put the parameter's gradient (divided by the world size unless a hook runs) into its bucket slot."""
-        p, view = bucket.params[slot], bucket.views[slot]
+        """Put the parameter's gradient (divided by the world size unless a hook runs) into its bucket.
+
+        Solo bucket: the ``.grad`` itself, divided in place, when it is dense,
+        contiguous and not part of a graph; otherwise (and for a coalesced
+        bucket) the slot of the bucket's own flat tensor."""
+        p = bucket.params[slot]
         grad = p.grad
+        if bucket.solo:
+            if (used and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
+                    and not grad.requires_grad):
+                bucket.use_grad(grad)
+                factor = None if self._comm_hook is not None else self._div_factor()
+                if factor is not None and factor != 1:
+                    with torch.no_grad():
+                        grad.div_(factor)
+                return
+            bucket.use_storage()
+        view = bucket.views[slot]
         with torch.no_grad():
             if not used or grad is None:
                 view.zero_()
@@ -408,15 +429,19 @@ class Reducer:
             logger.debug("reducer: backward ended with %d of %d buckets reduced", self._next_bucket,
                          len(self._buckets))
             return  # some parameter got no gradient: the next forward raises
-        for bucket in self._buckets:
-            self._wait_bucket(bucket)
-        used = self._global_used
-        if self._used_work is not None:
+        if self._used_work is None:
+            for bucket in self._buckets:  # write each bucket back while the next ones are in flight
+                self._wait_bucket(bucket)
+                self._write_back(bucket, self._global_used)
+        else:  # which gradients to write depends on the used-parameter bitmap, reduced last
+            for bucket in self._buckets:
+                self._wait_bucket(bucket)
             self._used_work.wait()
             used = [c > 0 for c in self._locally_used.tolist()]
             if self._static:
                 self._global_used = used
-        self._write_back(used)
+            for bucket in self._buckets:
+                self._write_back(bucket, used)
         self._expect_hooks = False
         self._require_finalize = False
         self.num_backward += 1
@@ -449,27 +474,30 @@ class Reducer:
         if result.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(result.view(-1))
 
-    def _write_back(self, used: list[bool] | None) -> None:
+    def _write_back(self, bucket: Bucket, used: list[bool] | None) -> None:
+        """Make ``.grad`` of the bucket's parameters hold the reduced gradients."""
+        if bucket.in_grad:
+            return  # reduced in place: .grad holds the average already
         as_view = self._config.gradient_as_bucket_view
         with torch.no_grad():
-            for bucket in self._buckets:
-                for p, index, view in zip(bucket.params, bucket.param_indices, bucket.views):
-                    if used is not None and not used[index]:
-                        continue  # unused on every rank: the gradient stays as it was (None)
-                    grad = p.grad
-                    if as_view:
-                        if grad is None or grad.data_ptr() != view.data_ptr():
-                            p.grad = view
-                    elif grad is None or grad.is_sparse:
-                        p.grad = view.clone()
-                    else:
-                        grad.copy_(view)
+            for p, index, view in zip(bucket.params, bucket.param_indices, bucket.views):
+                if used is not None and not used[index]:
+                    continue  # unused on every rank: the gradient stays as it was (None)
+                grad = p.grad
+                if as_view:
+                    if grad is None or grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif grad is None or grad.is_sparse:
+                    p.grad = view.clone()
+                else:
+                    grad.copy_(view)
 
     # -- introspection and teardown -----------------------------------------------------------
     def logging_data(self) -> dict:
         return {
             "num_buckets": len(self._buckets),
             "bucket_sizes": [b.nbytes for b in self._buckets],
+            "solo_buckets": [b.index for b in self._buckets if b.solo],
             "bucket_indices": self.bucket_indices(),
             "has_rebuilt_buckets": self._has_rebuilt,
             "num_iterations": self.num_iterations,
