@@ -25,7 +25,7 @@ _BUILTIN_CREATORS: dict[str, str] = {
 }
 # Names that mean "the default CPU backend".
 _DEFAULT_ALIASES = ("auto", "gloo")
-_DEFAULT_CPU_BACKEND = "tcp"
+_DEFAULT_CPU_BACKEND = "auto"
 
 _custom_creators: dict[str, Callable] = {}
 

@@ -89,6 +89,9 @@ class TcpBackend(ProcessGroupBackend):
     """One rank's end of a process group whose ranks talk over TCP."""
 
     name = "tcp"
+    #: The collective algorithms, as a module with ``_algorithms.collectives``' entry
+    #: points; the shared-memory backend swaps in ``_algorithms.shm_direct``.
+    _algorithms = algo
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, group_name: str = "",
                  global_ranks: list[int] | None = None, *, transport: Transport | None = None) -> None:
@@ -208,7 +211,7 @@ class TcpBackend(ProcessGroupBackend):
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.BROADCAST, tensor.dtype, tensor.numel(), root)
         return self._collective("broadcast", [tensor], fingerprint,
-                                lambda comm: algo.broadcast(comm, tensor.view(-1), root))
+                                lambda comm: self._algorithms.broadcast(comm, tensor.view(-1), root))
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
         dtype = tensors[0].dtype
@@ -221,7 +224,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
             if premul is not None:
                 flat.mul_(premul)
-            algo.allreduce(comm, flat, combine)
+            self._algorithms.allreduce(comm, flat, combine)
             if average:
                 self._average(flat, comm.size)
             if len(tensors) > 1:
@@ -239,7 +242,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = tensor.view(-1)
             if premul is not None:
                 flat.mul_(premul)
-            algo.reduce(comm, flat, root, combine)
+            self._algorithms.reduce(comm, flat, root, combine)
             if average and comm.rank == root:
                 self._average(flat, comm.size)
         return self._collective("reduce", [tensor], fingerprint, run)
@@ -250,7 +253,7 @@ class TcpBackend(ProcessGroupBackend):
         def run(comm: Comm) -> None:
             pieces = [t.view(-1) for t in outputs]
             pieces[comm.rank].copy_(input.view(-1))
-            algo.allgather(comm, pieces)
+            self._algorithms.allgather(comm, pieces)
         return self._collective("allgather", outputs, fingerprint, run)
 
     def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
@@ -260,20 +263,20 @@ class TcpBackend(ProcessGroupBackend):
             flat, n = output.view(-1), input.numel()
             pieces = [flat[i * n:(i + 1) * n] for i in range(comm.size)]
             pieces[comm.rank].copy_(input.view(-1))
-            algo.allgather(comm, pieces)
+            self._algorithms.allgather(comm, pieces)
         return self._collective("allgather_into_tensor", [output], fingerprint, run)
 
     def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.GATHER, input.dtype, input.numel(), root)
         flat_outputs = [t.view(-1) for t in outputs] if outputs else None
         return self._collective("gather", list(outputs or []), fingerprint,
-                                lambda comm: algo.gather(comm, flat_outputs, input.view(-1), root))
+                                lambda comm: self._algorithms.gather(comm, flat_outputs, input.view(-1), root))
 
     def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.SCATTER, output.dtype, output.numel(), root)
         flat_inputs = [t.reshape(-1) for t in inputs] if inputs else None
         return self._collective("scatter", [output], fingerprint,
-                                lambda comm: algo.scatter(comm, output.view(-1), flat_inputs, root))
+                                lambda comm: self._algorithms.scatter(comm, output.view(-1), flat_inputs, root))
 
     def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor],
                        op: ReduceOp = ReduceOp.SUM) -> Work:
@@ -299,18 +302,18 @@ class TcpBackend(ProcessGroupBackend):
             if premul is not None:  # scale copies: the inputs are the caller's, read-only
                 pieces = [piece * premul for piece in pieces]
             flat = output.view(-1)
-            algo.reduce_scatter(comm, pieces, combine, flat)
+            self._algorithms.reduce_scatter(comm, pieces, combine, flat)
             if average:
                 self._average(flat, comm.size)
         return self._collective(op_name, [output], fingerprint, run)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
         fingerprint = OpFingerprint.of(OpKind.ALLTOALL, inputs[0].dtype if inputs else None)
-        return self._collective("alltoall", outputs, fingerprint, lambda comm: algo.alltoall(
+        return self._collective("alltoall", outputs, fingerprint, lambda comm: self._algorithms.alltoall(
             comm, [t.view(-1) for t in outputs], [t.reshape(-1) for t in inputs]))
 
     def barrier(self) -> Work:
-        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), algo.barrier)
+        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier)
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:

@@ -1,0 +1,133 @@
+"""The "auto" backend (the default; "gloo" is an alias): shared memory within a host, TCP across.
+
+At creation the ranks of the group exchange their host identity through the
+store, then:
+
+=============================================  ==========================================
+ranks                                          backend
+=============================================  ==========================================
+all on one host (shared memory usable)         :class:`~.shm.ShmBackend`
+each on its own host, or shm unsupported here  :class:`~.tcp.TcpBackend`
+several hosts, some with several ranks         :class:`HierarchicalBackend`
+=============================================  ==========================================
+
+:class:`HierarchicalBackend` holds three groups: ``flat`` (TCP between all ranks),
+``local`` (shared memory between the ranks of this host) and, on each host's
+first rank (its *leader*), ``leaders`` (TCP between the leaders). All-reduce is
+hierarchical: reduce within the host into the leader, all-reduce between the
+leaders, broadcast within the host, so only one rank per host puts bytes on the
+network. It runs as one op of the flat group (so it keeps its place in the
+group's order, async or not) whose body drives the two sub-groups. Every other
+op, point-to-point included, runs on the flat group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from ..._store.prefix_store import PrefixStore
+from ..._transport.shm_segment import supported
+from ..backend import ProcessGroupBackend
+from ..reduce_op import RedOpType, ReduceOp, as_red_op
+from ..work import Work
+from .shm import ShmBackend, exchange_hosts
+from .tcp import TcpBackend
+
+__all__ = ["AutoBackend", "HierarchicalBackend"]
+
+
+class AutoBackend(ProcessGroupBackend):
+    """Creating one returns the backend that fits the group's hosts (see the module docstring)."""
+
+    name = "auto"
+
+    def __new__(cls, store, rank: int, size: int, timeout: timedelta, group_name: str = "",
+                global_ranks: list[int] | None = None):
+        names = list(global_ranks) if global_ranks is not None else list(range(size))
+        if supported() is not None:
+            return TcpBackend(PrefixStore("tcp/", store), rank, size, timeout, group_name, names)
+        if size == 1:
+            return ShmBackend(PrefixStore("shm/", store), rank, size, timeout, group_name, names)
+        hosts = exchange_hosts(PrefixStore("auto/", store), rank, size)
+        distinct = list(dict.fromkeys(hosts))
+        if len(distinct) == 1:
+            return ShmBackend(PrefixStore("shm/", store), rank, size, timeout, group_name, names)
+        if len(distinct) == size:
+            return TcpBackend(PrefixStore("tcp/", store), rank, size, timeout, group_name, names)
+        return HierarchicalBackend(store, rank, size, timeout, group_name, names, hosts)
+
+
+class HierarchicalBackend(ProcessGroupBackend):
+    """Shared memory within each host, TCP between hosts; hierarchical all-reduce."""
+
+    name = "auto"
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, group_name: str,
+                 global_ranks: list[int], hosts: list[str]) -> None:
+        super().__init__(store, rank, size, timeout, group_name, global_ranks)
+        distinct = list(dict.fromkeys(hosts))
+        host = distinct.index(hosts[rank])
+        members = [i for i in range(size) if hosts[i] == hosts[rank]]
+        leaders = [hosts.index(h) for h in distinct]
+        self.flat = TcpBackend(PrefixStore("flat/", store), rank, size, timeout, group_name, global_ranks)
+        self.local = ShmBackend(PrefixStore(f"host{host}/", store), members.index(rank), len(members), timeout,
+                                f"{group_name}:host{host}", [global_ranks[i] for i in members])
+        self.leaders = None
+        if rank in leaders:
+            self.leaders = TcpBackend(PrefixStore("leaders/", store), host, len(distinct), timeout,
+                                      f"{group_name}:leaders", [global_ranks[i] for i in leaders])
+
+    @property
+    def seq(self) -> int:
+        return self.flat.seq if "flat" in self.__dict__ else 0
+
+    @seq.setter
+    def seq(self, value: int) -> None:  # the base class initializes it; the flat group counts
+        pass
+
+    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
+        kind, factor = as_red_op(op)
+        if kind is RedOpType.UNUSED:
+            raise ValueError("ReduceOp.UNUSED is not a reduction")
+        sub_op = ReduceOp.SUM if kind in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        def body(work, seq: int) -> None:
+            flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+            if kind is RedOpType.PREMUL_SUM:
+                flat.mul_(factor)
+            self.local.reduce(flat, 0, sub_op).wait()       # reduce within the host, into its leader
+            if self.leaders is not None:
+                self.leaders.allreduce([flat], sub_op).wait()  # all-reduce between the leaders
+            self.local.broadcast(flat, 0).wait()             # broadcast within the host
+            if kind is RedOpType.AVG:
+                TcpBackend._average(flat, self._size)
+            if len(tensors) > 1:
+                offset = 0
+                for t in tensors:
+                    t.view(-1).copy_(flat[offset:offset + t.numel()])
+                    offset += t.numel()
+        return self.flat._issue_op("allreduce", tensors, True, body, nbytes)
+
+    def shutdown(self) -> None:
+        for backend in (self.flat, self.local, self.leaders):
+            if backend is not None:
+                backend.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _on_flat(op: str):
+    def delegate(self, *args, **kwargs) -> Work:
+        return getattr(self.flat, op)(*args, **kwargs)
+    delegate.__name__ = op
+    delegate.__doc__ = f"``{op}`` on the flat TCP group."
+    return delegate
+
+
+for _op in ("broadcast", "reduce", "allgather", "allgather_into_tensor", "gather", "scatter",
+            "reduce_scatter", "reduce_scatter_tensor", "alltoall", "barrier", "send", "recv"):
+    setattr(HierarchicalBackend, _op, _on_flat(_op))

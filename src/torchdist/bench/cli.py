@@ -1,0 +1,97 @@
+"""Command line of ``torchdist-bench`` (and ``python -m torchdist.bench``).
+
+Example, the nccl-tests experience for CPU::
+
+    torchdist-bench all_reduce -b 8 -e 64M -f 8 --nproc 2 --backend shm --compare gloo \\
+        --json out.json --plot out.png
+
+``ops`` is a comma-separated list of all_reduce, broadcast, reduce, all_gather,
+reduce_scatter, alltoall, or ``all``. Sizes go from ``-b`` to ``-e``, multiplied
+by ``-f`` each time (suffixes K, M, G are powers of 1024). The ranks are
+processes on this host started through ``torchdist.testing.run_ranks``.
+The exit status is 1 if any result was wrong (``#wrong`` > 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..testing import free_port, run_ranks
+from . import report
+from .worker import OPS, Job, run_rank
+
+__all__ = ["main", "parse_size"]
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"8"`` -> 8, ``"64K"`` -> 65536, ``"64M"`` -> 67108864 (also ``KB``/``KiB``)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = value[-1:] if value[-1:] in "KMG" else ""
+    number = value[:-1] if suffix else value
+    try:
+        size = int(float(number) * _SUFFIX[suffix])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 64K, 16M)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return size
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchdist-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ops", nargs="?", default="all_reduce", help=f"comma-separated, or 'all': {', '.join(OPS)}")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=2)
+    p.add_argument("-n", "--iters", type=int, default=0, help="iterations per round (0: by size)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5)
+    p.add_argument("-r", "--rounds", type=int, default=2, help="alternations of the implementations")
+    p.add_argument("-d", "--datatype", default="float32")
+    p.add_argument("-o", "--op", default="sum", choices=["sum", "prod", "min", "max"])
+    p.add_argument("--root", type=int, default=0)
+    p.add_argument("-c", "--check", type=int, default=1, help="verify results (#wrong); 0 to skip")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this host")
+    p.add_argument("--backend", default="auto", help="torchdist backend: auto, shm, tcp")
+    p.add_argument("--compare", default=None, help="also run torch.distributed with this backend (gloo)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--plot", default=None, help="plot bus bandwidth and latency vs size (needs matplotlib)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    ops = OPS if args.ops == "all" else tuple(op.strip() for op in args.ops.split(",") if op.strip())
+    if args.stepfactor < 2:
+        raise SystemExit(f"-f must be at least 2, got {args.stepfactor}")
+    if args.minbytes > args.maxbytes:
+        raise SystemExit(f"-b ({args.minbytes}) is larger than -e ({args.maxbytes})")
+    sizes, size = [], args.minbytes
+    while size <= args.maxbytes:
+        sizes.append(size)
+        size *= args.stepfactor
+    try:
+        job = Job(ops=ops, sizes=tuple(sizes), backend=args.backend, compare=args.compare, dtype=args.datatype,
+                  redop=args.op, root=args.root, iters=args.iters, warmup=args.warmup_iters, rounds=args.rounds,
+                  threads=args.threads, check=bool(args.check), port=free_port(),
+                  compare_port=free_port() if args.compare else 0, timeout_s=args.timeout)
+    except ValueError as exc:
+        raise SystemExit(f"torchdist-bench: {exc}") from None
+    results = run_ranks(run_rank, args.nproc, args=(job,), timeout=job.timeout_s)
+    rows = report.rows_from(results, job, args.nproc)
+    report.print_table(rows, job, args.nproc)
+    if args.json:
+        report.write_json(rows, job, args.nproc, args.json)
+    if args.plot:
+        report.plot(rows, job, args.nproc, args.plot)
+    sys.stdout.flush()
+    return 1 if any(r.wrong for r in rows) else 0

@@ -1,0 +1,279 @@
+"""The "shm" and "auto" backends across real processes: the TCP backend's whole test matrix
+(every op and dtype against torch, world sizes 1-4, large tensors, point to point,
+async ops, mismatches, a killed rank, a stalled rank), plus what is specific to
+shared memory: a rank SIGKILLed while its peers wait on shared counters, no
+files left in /dev/shm, and a simulated two-host job on the hierarchical path.
+
+The rank functions of tests/backends/test_tcp_backend.py build their backend with
+its module-level ``_backend``; ``_on`` swaps that factory for the backend under
+test inside each rank process, so the same bodies run on every backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import torchdist
+from torchdist._process_group.backends.auto import AutoBackend, HierarchicalBackend
+from torchdist._process_group.backends.shm import ShmBackend
+from torchdist._process_group.reduce_op import ReduceOp
+from torchdist._transport.shm_segment import PREFIX, shm_dir, supported
+from torchdist.errors import DistBackendError
+from torchdist.testing import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.skipif(supported() is not None, reason=str(supported()))
+
+_TCP_TESTS = pathlib.Path(__file__).parents[1] / "backends" / "test_tcp_backend.py"
+_BACKENDS = {"shm": ShmBackend, "auto": AutoBackend}
+
+
+def _tcp_tests():
+    """tests/backends/test_tcp_backend.py as a module (loaded once per process)."""
+    module = sys.modules.get("_tcp_backend_tests")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_tcp_backend_tests", _TCP_TESTS)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _on(rank: int, world: int, backend: str, name: str, *args):
+    """Run the TCP tests' rank function ``name`` with ``backend`` instead of TcpBackend."""
+    tests = _tcp_tests()
+
+    def make(rank: int, world: int, timeout: float = 30.0, group: str = "test"):
+        store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                                   timeout=timedelta(seconds=30))
+        return _BACKENDS[backend](torchdist.PrefixStore(group, store), rank, world, timedelta(seconds=timeout),
+                                  group_name=group)
+    tests._backend = make
+    return getattr(tests, name)(rank, world, *args)
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
+
+
+# -- the TCP backend's matrix --------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_op_matches_torch(backend: str, world: int) -> None:
+    dtypes = [torch.float32, torch.int64] if world in (1, 4) else [torch.float16, torch.bfloat16,
+                                                                      torch.int32, torch.uint8, torch.bool]
+    results = run_ranks(_on, world, args=(backend, "_every_op", dtypes, [0, 1, 37]),
+                        timeout=120)
+    for digests, seq in results:
+        assert seq == results[0][1]
+        for a, b in zip(digests, results[0][0]):  # bit-identical on every rank
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_tensors_are_bit_identical(world: int) -> None:
+    results = run_ranks(_on, world, args=("shm", "_large"), timeout=120)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_point_to_point_tags_any_source_and_interleaving() -> None:
+    results = run_ranks(_on, 3, args=("shm", "_p2p"), timeout=60)
+    got0, seq0 = results[0]
+    assert sorted(got0[:2]) == [(1, 1.0), (2, 2.0)]
+    assert got0[2] == 2.0
+    assert results[1][0] == [1.0, 2.0, 0.0]
+    assert all(seq == seq0 == 1 for _, seq in results)
+
+
+def test_async_overlap_and_200_mixed_collectives() -> None:
+    assert all(t < 30 for t in run_ranks(_on, 3, args=("shm", "_async_and_many"), timeout=90))
+
+
+# -- errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, words", [
+    ("kind", ["ALLREDUCE", "BROADCAST"]),
+    ("numel", ["numel=4", "numel=5"]),
+    ("root", ["BROADCAST", "root=0", "root=1"]),
+    ("redop", ["op=SUM", "op=MAX"]),
+    ("dtype", ["torch.int32", "torch.float32"]),
+])
+def test_mismatched_collectives_raise_on_every_rank(case: str, words: list[str]) -> None:
+    # Shared memory compares fingerprints at the op's first step: even the "root" case
+    # (every rank thinks it is the broadcast's root) is caught at its own seq.
+    for message, elapsed in run_ranks(_on, 2, args=("shm", "_mismatch", case), timeout=60):
+        assert elapsed < 5, message
+        assert "mismatch" in message and "sequence number 1" in message, message
+        assert all(w in message for w in words), message
+        assert "rank 0" in message and "rank 1" in message, message
+
+
+def test_killed_rank_makes_the_others_raise_naming_it() -> None:
+    before = _ours()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_on, 3, args=("shm", "_killed"), timeout=60)
+    assert info.value.failed_ranks == [2]
+    for outcome in info.value.outcomes[:2]:
+        message, elapsed = outcome.result
+        assert elapsed < 5 and "rank 2" in message, message
+    assert _ours() <= before
+
+
+def _stalled(rank: int, world: int, size: int) -> tuple[str, float]:
+    """Rank 1 never joins the second all-reduce in time (group timeout 1.5 s)."""
+    torchdist.init_process_group("shm", timeout=timedelta(seconds=1.5))
+    torchdist.all_reduce(torch.ones(size))
+    if rank == 1:
+        time.sleep(3.5)
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        torchdist.all_reduce(torch.ones(size))
+    except DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("a stalled peer did not time out")
+
+
+@pytest.mark.parametrize("size", [2, 1 << 20])
+def test_stalled_rank_times_out_naming_op_and_rank(size: int) -> None:
+    results = run_ranks(_stalled, 2, args=(size,), timeout=60)
+    message, elapsed = results[0]
+    assert 1.4 <= elapsed < 3.5, elapsed
+    assert "timed out" in message and "allreduce" in message and "[1]" in message, message
+
+
+def _sigkilled_while_waiting(rank: int, world: int, size: int) -> tuple[str, float]:
+    """The last rank SIGKILLs itself while the others wait on shared counters."""
+    torch.set_num_threads(1)
+    torchdist.all_reduce(torch.ones(size))
+    if rank == world - 1:
+        time.sleep(0.2)  # the others are blocked in the next all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        torchdist.all_reduce(torch.ones(size))
+    except DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("no error after a peer was killed")
+
+
+@pytest.mark.parametrize("size", [2, 1 << 20])
+def test_sigkilled_rank_is_noticed_within_seconds_and_leaks_nothing(size: int) -> None:
+    before = _ours()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_sigkilled_while_waiting, 3, args=(size,), backend="shm", timeout=60)
+    assert info.value.failed_ranks == [2]
+    for outcome in info.value.outcomes[:2]:
+        message, elapsed = outcome.result
+        assert elapsed < 5 and "rank 2" in message and "all_reduce" in message.replace("allreduce", "all_reduce"), \
+            message
+    assert _ours() <= before, _ours() - before
+
+
+# -- auto: one host, several hosts -----------------------------------------------------------
+def _kind_of_backend(rank: int, world: int) -> str:
+    return type(torchdist.group.WORLD.backend).__name__
+
+
+def test_auto_on_one_host_is_shared_memory_and_gloo_is_its_alias() -> None:
+    assert run_ranks(_kind_of_backend, 2, backend="auto") == ["ShmBackend"] * 2
+    assert run_ranks(_kind_of_backend, 2, backend="gloo") == ["ShmBackend"] * 2
+
+
+def _two_hosts(rank: int, world: int) -> list:
+    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
+    torch.set_num_threads(1)
+    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                               timeout=timedelta(seconds=30))
+    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=30), group_name="pg")
+    assert isinstance(backend, HierarchicalBackend)
+    out = []
+    for n in (1, 1000, (1 << 20) + 3):
+        inputs = [torch.arange(n, dtype=torch.float64) * (r + 1) for r in range(world)]
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
+            t = inputs[rank].clone()
+            backend.allreduce([t], op).wait()
+            stacked = torch.stack(inputs)
+            expected = {ReduceOp.SUM: stacked.sum(0), ReduceOp.MAX: stacked.max(0).values,
+                        ReduceOp.AVG: stacked.sum(0) / world}[op]
+            assert torch.allclose(t, expected), (n, op)
+            out.append(t)
+    works = [backend.allreduce([torch.full((10,), float(rank + i))], ReduceOp.SUM) for i in range(5)]
+    for i, work in enumerate(works):
+        work.wait()
+        assert work.result()[0][0].item() == sum(r + i for r in range(world))
+    t = torch.full((5,), float(rank))
+    backend.broadcast(t, 3).wait()
+    assert t.tolist() == [3.0] * 5
+    gathered = [torch.empty(2) for _ in range(world)]
+    backend.allgather(gathered, torch.full((2,), float(rank))).wait()
+    assert [g[0].item() for g in gathered] == [0.0, 1.0, 2.0, 3.0]
+    backend.barrier().wait()
+    leader = backend.leaders is not None
+    backend.shutdown()
+    return out, leader
+
+
+def test_simulated_two_hosts_take_the_hierarchical_path() -> None:
+    results = run_ranks(_two_hosts, 4, timeout=90)
+    assert [leader for _, leader in results] == [True, False, True, False]
+    for out, _ in results:
+        for a, b in zip(out, results[0][0]):
+            assert torch.equal(a, b)
+
+
+def _shm_across_hosts(rank: int, world: int) -> str:
+    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank}"
+    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                               timeout=timedelta(seconds=30))
+    try:
+        ShmBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=10), group_name="pg")
+    except DistBackendError as exc:
+        return str(exc)
+    raise AssertionError("shm accepted ranks on two hosts")
+
+
+def test_shm_across_hosts_is_a_clear_error_naming_them() -> None:
+    for message in run_ranks(_shm_across_hosts, 2, timeout=60):
+        assert "one host" in message and "simulated-host-0" in message and "simulated-host-1" in message, message
+        assert "auto" in message
+
+
+def _p2p_pending_across_a_collective(rank: int, world: int) -> float:
+    """Rank 1's 8 MiB send outgrows the ring while rank 0 already waits in the all-reduce:
+    rank 0's step wait must keep draining the ring, or both wait forever."""
+    big = torch.full((2 << 20,), float(rank))
+    if rank == 0:
+        work = torchdist.irecv(big, src=1)
+        t = torch.ones(1 << 18)
+        torchdist.all_reduce(t)
+        work.wait()
+        assert big[0].item() == 1.0 and big[-1].item() == 1.0
+        return t[0].item()
+    torchdist.send(big, dst=0)
+    t = torch.ones(1 << 18)
+    torchdist.all_reduce(t)
+    return t[0].item()
+
+
+def test_pending_p2p_progresses_while_a_collective_waits() -> None:
+    assert run_ranks(_p2p_pending_across_a_collective, 2, backend="shm", timeout=60) == [2.0, 2.0]
+
+
+def test_completed_work_shortcut_sets_every_attribute_of_work() -> None:
+    """ShmBackend builds completed Works without Work() (see backends/shm.py): it must
+    set exactly the attributes Work() does, or a change to Work would break it silently."""
+    from torchdist._process_group.backends.shm import _completed
+    from torchdist._process_group.work import Work
+
+    fast, slow = _completed("allreduce", []), Work("allreduce", [])
+    assert set(fast.__dict__) == set(slow.__dict__)
+    assert fast.wait() and fast.is_completed() and fast.is_success() and fast.result() == []
+    assert fast.get_future().wait() == []
