@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchdist._algorithms import direct, recursive, ring, tree
+from torchdist._algorithms import direct, halving_doubling, recursive, ring, tree
 from torchdist._algorithms.reduction import combiner
 from torchdist._transport.loopback import RecordingFabric
 
@@ -40,6 +40,22 @@ def test_recursive_doubling_swaps_whole_buffers_with_xor_partners(world: int) ->
     fabric = _record(world, lambda comm, r: recursive.recursive_doubling_allreduce(comm, torch.ones(n), SUM))
     expected = {(r, r ^ (1 << k)): n * 4 for r in range(world) for k in range(world.bit_length() - 1)}
     assert fabric.bytes_between() == expected
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_halving_doubling_halves_then_doubles_with_xor_partners(world: int) -> None:
+    n = 1000 * world  # chunks of 1000 floats = 4000 bytes
+    fabric = _record(world, lambda comm, r: halving_doubling.halving_doubling_allreduce(
+        comm, torch.ones(n), SUM))
+    masks = [1 << k for k in range(world.bit_length() - 1)]  # 1, 2, .., p/2
+    # 2 log2 p steps per rank: reduce-scatter sends m chunks to r ^ m for m = p/2 .. 1,
+    # all-gather sends m chunks to r ^ m for m = 1 .. p/2
+    for r in range(world):
+        sent = [(dst, nbytes) for src, dst, _, nbytes in fabric.log if src == r]
+        expected = [(r ^ m, m * 4000) for m in reversed(masks)] + [(r ^ m, m * 4000) for m in masks]
+        assert sent == expected, r
+    # the ring's bytes: 2 (p-1)/p n per rank
+    assert sum(nbytes for _, _, _, nbytes in fabric.log) == world * 2 * (world - 1) * 4000
 
 
 def test_recursive_doubling_folds_in_extra_ranks_at_odd_world_sizes() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import direct, recursive, ring, tree
+from . import direct, halving_doubling, recursive, ring, tree
 from .comm import Comm
 from .reduction import Combine
 from .select import (CHAIN_SEGMENT, Algo, allgather_algo, allreduce_algo, alltoall_pairwise,
@@ -28,8 +28,12 @@ def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
     if comm.size == 1:
         return
     algo = allreduce_algo(_nbytes(flat), comm.size)
+    if algo is Algo.HALVING_DOUBLING and not halving_doubling.is_power_of_two(comm.size):
+        algo = Algo.RING
     if algo is Algo.RING and flat.numel() >= comm.size:
         ring.ring_allreduce(comm, flat, combine)
+    elif algo is Algo.HALVING_DOUBLING:
+        halving_doubling.halving_doubling_allreduce(comm, flat, combine)
     elif algo is Algo.RECURSIVE_DOUBLING:
         recursive.recursive_doubling_allreduce(comm, flat, combine)
     else:

@@ -28,11 +28,28 @@ so at p = 4 the ring wins from ~32 KiB; below, the three are within noise and
 recursive doubling (fewest bytes, no p x n scratch) is used for powers of two,
 direct (one step instead of 2 + log2 p) otherwise.
 
+Halving-doubling (Rabenseifner: the ring's bytes in 2 log2 p steps) against the
+ring at p = 4, ``TORCHDIST_ALGO_ALLREDUCE`` forced, alternating runs of
+``benchmarks/bench_collectives.py --world-sizes 4 --ops all_reduce`` (load 4-6),
+tcp median us, ring / halving-doubling, 2-3 runs each (at 16-64 MiB one run of each
+algorithm hit a load spike, 1.5-2x slower, and is left out)::
+
+    256 KiB: 1313-1315 / 1166 (1785 beside a test run)      2 MiB: 4465-4597 / 3989-4177
+    16 MiB: 29051-34473 / 31868-35501      64 MiB: 123764-133452 / 124225-127858
+
+so halving-doubling is ~10% faster from 256 KiB to 2 MiB and within noise from
+16 MiB, where the cost is the kernel's two copies per byte (the same in both),
+not the steps: its pairwise steps move twice the ring's bytes each, over one
+socket both ways. It runs between the ring threshold and 8 MiB at powers of two
+>= 4 (p = 8 not measured on this 2-core VM: it follows p = 4, where the saving is
+larger, 6 steps instead of 14); the ring keeps larger messages (n/p of scratch,
+not n/2).
+
 =================  ================================  ======================================
 collective         small (< threshold)               large
 =================  ================================  ======================================
-all-reduce         recursive doubling (p = 2^k),     ring reduce-scatter + all-gather
-                   direct (other p)
+all-reduce         recursive doubling (p = 2^k),     ring reduce-scatter + all-gather;
+                   direct (other p)                  halving-doubling below 8 MiB (p = 2^k >= 4)
 all-gather         direct (1 step)                   ring
 reduce-scatter     direct (1 step)                   ring
 broadcast          binomial tree                     pipelined chain (p >= 3)
@@ -56,6 +73,7 @@ __all__ = ["Algo", "allreduce_algo", "allgather_algo", "reduce_scatter_algo", "b
 class Algo(enum.Enum):
     DIRECT = "direct"
     RECURSIVE_DOUBLING = "recursive_doubling"
+    HALVING_DOUBLING = "halving_doubling"
     RING = "ring"
     BINOMIAL = "binomial"
     CHAIN = "chain"
@@ -69,6 +87,8 @@ CHAIN_SEGMENT = 1 << 20
 _ALLREDUCE_SMALL = {2: 4 << 20, 3: 32 << 10, 4: 32 << 10}
 _GATHER_SMALL = 32 << 10
 _BROADCAST_SMALL = 256 << 10
+#: Below this, large all-reduces at powers of two >= 4 use halving-doubling. Measured.
+_HALVING_DOUBLING_LARGE = 8 << 20
 
 
 def _forced(name: str) -> Algo | None:
@@ -84,6 +104,8 @@ def allreduce_algo(nbytes: int, size: int) -> Algo:
     threshold = _ALLREDUCE_SMALL.get(size, 16 << 10)
     if nbytes < threshold or nbytes < size * 64:
         return Algo.RECURSIVE_DOUBLING if size & (size - 1) == 0 else Algo.DIRECT
+    if size >= 4 and size & (size - 1) == 0 and nbytes < _HALVING_DOUBLING_LARGE:
+        return Algo.HALVING_DOUBLING
     return Algo.RING
 
 
