@@ -9,9 +9,9 @@ per-iteration maxima is what the reference scripts in /work/shared/bench use).
 
 With ``compare``, each rank also joins a torch.distributed gloo group, and the
 two implementations alternate per size and per round (torchdist, gloo, gloo,
-torchdist, ...), so both see the same machine conditions. That comparison is
-the one place torchdist imports torch.distributed, at run time and only when
-asked for: the library itself never does.
+torchdist, ...), so both see the same machine conditions. The baseline comes
+from ``torchdist_baseline``, an adapter shipped beside the package and loaded
+only when asked for: torchdist itself never imports torch.distributed.
 """
 
 from __future__ import annotations
@@ -154,11 +154,9 @@ def _implementations(job: Job, rank: int, world: int) -> dict:
                                  world_size=world)
     impls = {"torchdist": torchdist}
     if job.compare:
-        # The comparison baseline is torch.distributed itself (see the module docstring).
-        reference = importlib.import_module("torch.distributed")
-        reference.init_process_group(job.compare, init_method=f"tcp://127.0.0.1:{job.compare_port}",
-                                     rank=rank, world_size=world)
-        impls[job.compare] = reference
+        # The baseline adapter sits outside the package (see the module docstring).
+        baseline = importlib.import_module("torchdist_baseline")
+        impls[job.compare] = baseline.join_reference_group(job.compare, job.compare_port, rank, world)
     return impls
 
 
