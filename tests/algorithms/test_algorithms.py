@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchdist._algorithms import collectives, direct, recursive, ring, tree
+from torchdist._algorithms import collectives, direct, halving_doubling, recursive, ring, tree
 from torchdist._algorithms.comm import chunk_bounds
 from torchdist._algorithms.reduction import PieceReducer, combiner
 
@@ -49,6 +49,31 @@ def test_allreduce_sum_is_correct_and_bit_identical(algo: str, world: int) -> No
 
 def _allreduce(fn, comm, t):
     fn(comm, t, combiner("SUM", t.dtype))
+    return t
+
+
+FINISHED_ALLREDUCES = {"collectives": collectives.allreduce, "ring": ring.ring_allreduce,
+                       "halving_doubling": halving_doubling.halving_doubling_allreduce}
+
+
+@pytest.mark.parametrize("algo", FINISHED_ALLREDUCES)
+@pytest.mark.parametrize("world", WORLDS)
+def test_allreduce_finish_touches_every_element_exactly_once(algo: str, world: int) -> None:
+    """AVG's finisher: a marker added by ``finish`` shows up exactly once per element."""
+    if algo == "halving_doubling" and not halving_doubling.is_power_of_two(world):
+        pytest.skip("halving-doubling needs a power-of-two group")
+    fn = FINISHED_ALLREDUCES[algo]
+    for n in SIZES + [5000]:
+        inputs = _inputs(world, n, torch.float64, seed=n)
+        results = run_world(world, lambda comm, r: _finished(fn, comm, inputs[r].clone()))
+        expected = torch.stack(inputs).sum(0) / world + 1000
+        for out in results:
+            assert torch.allclose(out, expected), (algo, world, n)
+            assert torch.equal(out, results[0]), f"{algo} at world {world}, n={n}: ranks differ in bits"
+
+
+def _finished(fn, comm, t):
+    fn(comm, t, combiner("SUM", t.dtype), lambda piece: piece.div_(comm.size).add_(1000))
     return t
 
 

@@ -2,8 +2,8 @@
 
 Every function works on flat (1-D, contiguous) tensors or lists of them, in the
 group's rank numbering, over a :class:`~torchdist._algorithms.comm.Comm`. Reduce
-ops arrive as combiners (see ``reduction``); scaling for AVG and PREMUL_SUM is the
-caller's business.
+ops arrive as combiners (see ``reduction``); all-reduce also takes AVG's division as
+a finisher, the other scalings are the caller's business.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from . import direct, halving_doubling, recursive, ring, tree
 from .comm import Comm
-from .reduction import Combine
+from .reduction import Combine, Finish
 from .select import (CHAIN_SEGMENT, Algo, allgather_algo, allreduce_algo, alltoall_pairwise,
                      broadcast_algo, reduce_algo, reduce_scatter_algo)
 
@@ -24,20 +24,25 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
-    if comm.size == 1:
-        return
+def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish | None = None) -> None:
+    """``finish`` (see ``reduction.Finish``): the ring and halving-doubling apply it to
+    the chunk each rank owns between their two phases; the others, where every rank
+    ends with the whole result, to all of it."""
     algo = allreduce_algo(_nbytes(flat), comm.size)
     if algo is Algo.HALVING_DOUBLING and not halving_doubling.is_power_of_two(comm.size):
         algo = Algo.RING
-    if algo is Algo.RING and flat.numel() >= comm.size:
-        ring.ring_allreduce(comm, flat, combine)
+    if comm.size == 1:
+        pass
+    elif algo is Algo.RING and flat.numel() >= comm.size:
+        return ring.ring_allreduce(comm, flat, combine, finish)
     elif algo is Algo.HALVING_DOUBLING:
-        halving_doubling.halving_doubling_allreduce(comm, flat, combine)
+        return halving_doubling.halving_doubling_allreduce(comm, flat, combine, finish)
     elif algo is Algo.RECURSIVE_DOUBLING:
         recursive.recursive_doubling_allreduce(comm, flat, combine)
     else:
         direct.direct_allreduce(comm, flat, combine)
+    if finish is not None:
+        finish(flat)
 
 
 def broadcast(comm: Comm, flat: torch.Tensor, root: int) -> None:

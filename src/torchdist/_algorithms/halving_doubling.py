@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm, chunk_bounds
-from .reduction import Combine, PieceReducer
+from .reduction import Combine, Finish, PieceReducer
 
 __all__ = ["halving_doubling_allreduce", "is_power_of_two"]
 
@@ -45,11 +45,14 @@ def is_power_of_two(size: int) -> bool:
     return size > 0 and size & (size - 1) == 0
 
 
-def halving_doubling_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
+def halving_doubling_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine,
+                               finish: Finish | None = None) -> None:
     """All-reduce the 1-D tensor ``flat`` in place; ``comm.size`` must be a power of two."""
     p, r = comm.size, comm.rank
     assert is_power_of_two(p), f"halving-doubling needs a power-of-two group, got {p}"
     if p == 1:
+        if finish is not None:
+            finish(flat)
         return
     bounds = chunk_bounds(flat.numel(), p)
 
@@ -68,6 +71,8 @@ def halving_doubling_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine)
         incoming = scratch[:keep.numel()]
         comm.exchange(r ^ mask, give, r ^ mask, incoming, PieceReducer(keep, incoming, combine))
         mask >>= 1
+    if finish is not None:
+        finish(span(r, r + 1))
     # all-gather by recursive doubling: rank r owns chunk r; swap ever larger ranges
     mask = 1
     while mask < p:

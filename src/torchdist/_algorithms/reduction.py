@@ -3,7 +3,8 @@
 A *combiner* is ``combine(dst, src)``: ``dst = dst (op) src`` in place, both tensors
 of one dtype and shape. Torch's kernels release the GIL, so a reduction overlaps
 with the kernel moving the next bytes. The process-group layer maps its reduce ops
-onto these names: AVG and PREMUL_SUM are SUM plus a scaling it applies itself.
+onto these names: AVG and PREMUL_SUM are SUM plus a scaling: PREMUL_SUM's before
+the reduction, AVG's as a *finisher* (``Finish``) handed to all-reduce.
 
 Algorithms reduce received data *as it arrives*: :class:`PieceReducer` is an
 ``on_data`` callback that combines each newly complete ~1 MiB piece of a receive
@@ -22,9 +23,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Combine", "combiner", "PieceReducer", "PIECE_BYTES"]
+__all__ = ["Combine", "Finish", "combiner", "PieceReducer", "PIECE_BYTES"]
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
+#: ``finish(piece)``: applied in place, exactly once, to every fully reduced piece
+#: before it is shared (AVG's division). An all-reduce applies it where each piece
+#: is finished by one rank (1/p of the elements per rank, while they are in cache)
+#: instead of in a pass over the whole tensor afterwards.
+Finish = Callable[[torch.Tensor], None]
 
 #: Reduce received data in pieces of this many bytes (measured: 256 KiB-4 MiB were
 #: all within noise; 1 MiB keeps the last, unoverlapped piece short).

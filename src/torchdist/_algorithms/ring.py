@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm, chunk_bounds
-from .reduction import Combine, PieceReducer
+from .reduction import Combine, Finish, PieceReducer
 
 __all__ = ["ring_reduce_scatter", "ring_allgather", "ring_allreduce"]
 
@@ -83,13 +83,17 @@ def ring_allgather(comm: Comm, pieces: list[torch.Tensor], owned: int) -> None:
         comm.exchange(right, pieces[send_index], left, pieces[recv_index])
 
 
-def ring_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
+def ring_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish | None = None) -> None:
     """All-reduce the 1-D tensor ``flat`` in place: reduce-scatter, then all-gather."""
     p = comm.size
     if p == 1:
+        if finish is not None:
+            finish(flat)
         return
     chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), p)]
     # reduce-scatter: rank r ends up owning the reduction of chunk r + 1
-    ring_reduce_scatter(comm, chunks, combine, owned=1)
+    owned = ring_reduce_scatter(comm, chunks, combine, owned=1)
+    if finish is not None:
+        finish(owned)
     # all-gather: pass the finished chunks around the ring
     ring_allgather(comm, chunks, owned=1)

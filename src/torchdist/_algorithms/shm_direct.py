@@ -21,6 +21,9 @@ region sets, fingerprints compared at the first step) is described in
   copied in once and out once (the ring's bytes, without the ring's p - 1 steps),
   and every slice reduced by one rank, so results are bit-identical.
 - ``reduce``: the same, only the root copies out.
+- AVG's division (``finish``) is applied where a piece is finished, while it is in
+  cache: to the whole tensor after the small fold, to each chunk after the p = 2
+  fold, to the rank's own slice in OUT before the others copy it out.
 - ``broadcast``: the root copies chunk ``s`` in while the others copy chunk
   ``s - 1`` out of the root's region.
 - ``allgather`` / ``gather``: every rank copies chunk ``s`` of its piece in; the
@@ -40,7 +43,7 @@ import torch
 
 from . import collectives
 from .comm import Comm, chunk_bounds
-from .reduction import Combine, combiner
+from .reduction import Combine, Finish, combiner
 
 __all__ = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall",
            "gather", "scatter", "barrier", "SMALL_BYTES"]
@@ -75,11 +78,11 @@ def _count(numel: int, per: int) -> int:
     return max(1, -(-numel // per))
 
 
-def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
+def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish | None = None) -> None:
     steps = _steps(comm)
     if steps is None:
-        return collectives.allreduce(comm, flat, combine)
-    _reduce(steps, comm, flat, combine, root=None)
+        return collectives.allreduce(comm, flat, combine, finish)
+    _reduce(steps, comm, flat, combine, root=None, finish=finish)
 
 
 def reduce(comm: Comm, flat: torch.Tensor, root: int, combine: Combine) -> None:
@@ -89,13 +92,16 @@ def reduce(comm: Comm, flat: torch.Tensor, root: int, combine: Combine) -> None:
     _reduce(steps, comm, flat, combine, root=root)
 
 
-def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int | None) -> None:
+def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int | None,
+            finish: Finish | None = None) -> None:
     """All-reduce (``root`` None) or reduce to ``root``; see the module docstring."""
     p, r, n = comm.size, comm.rank, flat.numel()
     dtype = flat.dtype
     steps.begin(comm.seq, comm.fingerprint)
     if p == 1:
         steps.sync(comm.deadline)
+        if finish is not None:
+            finish(flat)
         return
     if n * flat.element_size() <= SMALL_BYTES:
         slots = steps.slots(dtype, n)
@@ -106,11 +112,13 @@ def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int |
                 combine(flat, slots[steps.step % 2][1 - r])
             else:
                 _fold(flat, slots[steps.step % 2], combine)
+            if finish is not None:
+                finish(flat)
         return
     per = steps.chunk // flat.element_size()
     copy_out = root is None or root == r
     if p <= _FOLD_ALL_MAX_RANKS:
-        _fold_pipeline(steps, comm, flat, combine, per, copy_out)
+        _fold_pipeline(steps, comm, flat, combine, per, copy_out, finish)
         return
     chunks = [(a, min(a + per, n)) for a in range(0, n, per)]
     slices = [chunk_bounds(b - a, p) for a, b in chunks]
@@ -127,8 +135,10 @@ def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int |
         if s >= 1:  # reduce my slice of chunk s - 1 into my OUT
             lo, hi = slices[s - 1][r]
             if hi > lo:
-                _fold(steps.mine(_OUT, dtype)[lo:hi], [steps.theirs(j, _IN, dtype)[lo:hi] for j in range(p)],
-                      combine)
+                out = steps.mine(_OUT, dtype)[lo:hi]
+                _fold(out, [steps.theirs(j, _IN, dtype)[lo:hi] for j in range(p)], combine)
+                if finish is not None:
+                    finish(out)
         if s < len(chunks):
             a, b = chunks[s]
             steps.mine(_IN, dtype)[:b - a].copy_(flat[a:b])
@@ -137,7 +147,8 @@ def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int |
         gather_out(len(chunks) - 1)
 
 
-def _fold_pipeline(steps, comm: Comm, flat: torch.Tensor, combine: Combine, per: int, fold: bool) -> None:
+def _fold_pipeline(steps, comm: Comm, flat: torch.Tensor, combine: Combine, per: int, fold: bool,
+                   finish: Finish | None) -> None:
     """Every rank folds every rank's whole chunk ``s - 1`` while copying chunk ``s`` in.
 
     Per rank and byte: copy in (read 1, write 1), fold (read p, write 1): 2 + p + 1
@@ -156,6 +167,8 @@ def _fold_pipeline(steps, comm: Comm, flat: torch.Tensor, combine: Combine, per:
                 combine(flat[a:b], steps.theirs(1 - r, _IN, dtype)[:b - a])
             else:
                 _fold(flat[a:b], [steps.theirs(j, _IN, dtype)[:b - a] for j in range(p)], combine)
+            if finish is not None:
+                finish(flat[a:b])
         if s == count:
             break
         a, b = s * per, min((s + 1) * per, n)

@@ -92,7 +92,7 @@ class ShmBackend(TcpBackend):
         return super()._collective(op_name, outputs, fingerprint, run)
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
-        """A plain single-tensor all-reduce skips the reduce-op translation (cached)."""
+        """A single-tensor all-reduce (not PREMUL_SUM) skips the reduce-op translation (cached)."""
         if len(tensors) == 1 and self._broken is None:
             tensor = tensors[0]
             key = (op, tensor.dtype, tensor.numel())
@@ -100,13 +100,14 @@ class ShmBackend(TcpBackend):
             if plan is None:
                 code, combine, premul, average = self._reduction(op, tensor.dtype)
                 fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, tensor.dtype, tensor.numel(), -1, code)
-                plan = (fingerprint, combine) if premul is None and not average else None
+                finish = self._averager(self._size) if average else None
+                plan = (fingerprint, combine, finish) if premul is None else None
                 self._remember(key, plan)
             if plan is not None:
-                fingerprint, combine = plan
+                fingerprint, combine, finish = plan
                 flat = tensor.view(-1)
                 work = self._inline("allreduce", tensors, fingerprint,
-                                    lambda comm: shm_direct.allreduce(comm, flat, combine))
+                                    lambda comm: shm_direct.allreduce(comm, flat, combine, finish))
                 if work is not None:
                     return work
         return super().allreduce(tensors, op)

@@ -204,9 +204,17 @@ class TcpBackend(ProcessGroupBackend):
     @staticmethod
     def _average(flat: torch.Tensor, size: int) -> None:
         if flat.dtype.is_floating_point or flat.dtype.is_complex:
-            flat.div_(size)
+            if size & (size - 1) == 0:  # x * 2**-k is x / 2**k, bit for bit, and ~10x faster here
+                flat.mul_(1.0 / size)
+            else:
+                flat.div_(size)
         elif flat.dtype is not torch.bool:
             flat.div_(size, rounding_mode="floor")
+
+    @classmethod
+    def _averager(cls, size: int) -> Callable[[torch.Tensor], None]:
+        """AVG's division as an all-reduce finisher (``_algorithms.reduction.Finish``)."""
+        return lambda piece: cls._average(piece, size)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.BROADCAST, tensor.dtype, tensor.numel(), root)
@@ -224,9 +232,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
             if premul is not None:
                 flat.mul_(premul)
-            self._algorithms.allreduce(comm, flat, combine)
-            if average:
-                self._average(flat, comm.size)
+            self._algorithms.allreduce(comm, flat, combine, self._averager(comm.size) if average else None)
             if len(tensors) > 1:
                 offset = 0
                 for t in tensors:
