@@ -5,11 +5,14 @@ Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
 
 - an autograd hook on every parameter (``register_post_accumulate_grad_hook``)
   fires once its gradient for the iteration has been accumulated into ``.grad``;
-  the hook *marks the parameter ready*: a large parameter's ``.grad`` is divided
-  by the world size in place and is itself the flat tensor of its solo bucket;
-  a small one is copied, divided, into its slot of a coalesced bucket (with
-  ``gradient_as_bucket_view`` the ``.grad`` *is* that slot and nothing is
-  copied). See ``bucket.py``;
+  the hook *marks the parameter ready*: a large parameter's ``.grad`` is itself
+  the flat tensor of its solo bucket; a small one is copied into its slot of a
+  coalesced bucket (with ``gradient_as_bucket_view`` the ``.grad`` *is* that
+  slot and nothing is copied). See ``bucket.py``. The average is an all-reduce
+  with ``ReduceOp.AVG``, which the backends finish where each piece is reduced
+  (1/p of the elements per rank, in cache) instead of a pass over every
+  gradient; only ``join(divide_by_initial_world_size=False)`` divides the
+  gradients first, by the count of ranks still training;
 - when the last parameter of a bucket is ready, the bucket's all-reduce (or the
   registered communication hook) starts *asynchronously*, so it overlaps the rest
   of backward. Buckets are launched strictly in index order, because every rank
@@ -52,6 +55,7 @@ from typing import Callable, Sequence
 import torch
 
 from .._c10d.collectives import all_reduce, broadcast
+from .._process_group.reduce_op import ReduceOp
 from .bucket import Bucket, GradBucket, assign_buckets
 from .config import DDPConfig
 
@@ -208,7 +212,7 @@ class Reducer:
         for bucket in self._buckets:
             zeros = torch.zeros(bucket.numel, dtype=bucket.dtype)
             if self._comm_hook is None:
-                pending.append(all_reduce(zeros, group=self._group, async_op=True))
+                pending.append(all_reduce(zeros, self._bucket_op(), group=self._group, async_op=True))
             else:
                 pending.append(self._run_hook(GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                                          bucket.index == len(self._buckets) - 1)))
@@ -349,15 +353,25 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready_buckets()
 
-    def _div_factor(self) -> int:
+    def _bucket_op(self) -> ReduceOp:
+        """AVG when the divisor is the group size; else SUM of gradients divided first.
+
+        Every rank, a joined one shadowing the others included, picks the same op:
+        it depends only on the ``join`` argument, not on this iteration's count."""
+        return ReduceOp.AVG if self._divide_by_initial_world_size else ReduceOp.SUM
+
+    def _pre_divisor(self) -> int | None:
+        """What to divide a gradient by before its all-reduce (None: nothing)."""
+        if self._comm_hook is not None or self._divide_by_initial_world_size:
+            return None  # the hook averages, or the all-reduce does (AVG)
         if self._divisor is None:
             self._divisor = self._world
-            if self._join_work is not None and not self._divide_by_initial_world_size:
+            if self._join_work is not None:
                 self._divisor = int(self._join_work.result()[0].item())
         return self._divisor
 
     def _copy_in(self, bucket: Bucket, slot: int, used: bool) -> None:
-        """Put the parameter's gradient (divided by the world size unless a hook runs) into its bucket.
+        """Put the parameter's gradient (divided first if ``_pre_divisor`` says so) into its bucket.
 
         Solo bucket: the ``.grad`` itself, divided in place, when it is dense,
         contiguous and not part of a graph; otherwise (and for a coalesced
@@ -368,7 +382,7 @@ class Reducer:
             if (used and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
                     and not grad.requires_grad):
                 bucket.use_grad(grad)
-                factor = None if self._comm_hook is not None else self._div_factor()
+                factor = self._pre_divisor()
                 if factor is not None and factor != 1:
                     with torch.no_grad():
                         grad.div_(factor)
@@ -381,7 +395,7 @@ class Reducer:
                 return
             if grad.is_sparse:
                 grad = grad.to_dense()
-            factor = None if self._comm_hook is not None else self._div_factor()
+            factor = self._pre_divisor()
             if self._config.gradient_as_bucket_view:
                 if grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)
@@ -398,7 +412,7 @@ class Reducer:
             bucket = self._buckets[self._next_bucket]
             self._next_bucket += 1
             if self._comm_hook is None:
-                bucket.work = all_reduce(bucket.buffer, group=self._group, async_op=True)
+                bucket.work = all_reduce(bucket.buffer, self._bucket_op(), group=self._group, async_op=True)
             else:
                 bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
                                                           bucket.offsets, bucket.index == len(self._buckets) - 1))
