@@ -41,11 +41,16 @@ EMPTY = memoryview(bytearray())
 
 
 class PeerTimeout(DistBackendError):
-    """``wait`` reached its deadline; ``peers`` are the group ranks still owing data."""
+    """``wait`` reached its deadline; ``peers`` are the group ranks still owing data.
 
-    def __init__(self, message: str, peers: list[int]) -> None:
+    A transport that knows some of them joined the op (they sent part of it) leaves
+    those out when others remain (a rank inside the op waits on someone else) and
+    lists them in ``joined``."""
+
+    def __init__(self, message: str, peers: list[int], joined: list[int] | None = None) -> None:
         super().__init__(message)
         self.peers = peers
+        self.joined = joined or []
 
 
 class Transfer:
@@ -116,7 +121,9 @@ class Transport(abc.ABC):
 
         Raises the transport's first fatal error, or :class:`PeerTimeout` at
         ``deadline`` (a ``time.monotonic()`` value; None = no limit). A timeout does
-        not break the transport by itself; the caller decides (see ``fail``).
+        not break the transport by itself; the caller decides (see ``fail``). A
+        transport may wait past ``deadline`` (bounded) for the ABORT of peers that
+        joined the op and time out themselves, whose error names the rank at fault.
         """
 
     @abc.abstractmethod

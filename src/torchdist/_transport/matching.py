@@ -25,7 +25,7 @@ from ..errors import DistBackendError
 from .base import Transfer
 from .framing import Header, MsgKind
 
-__all__ = ["Matcher", "mismatch_error", "check_match", "KIND", "TAG", "NBYTES"]
+__all__ = ["Matcher", "mismatch_error", "check_match", "KIND", "SEQ", "TAG", "NBYTES"]
 
 # Positions in a header's field tuple (see framing.HEADER).
 KIND, SEQ, TAG, NBYTES = 0, 5, 6, 8

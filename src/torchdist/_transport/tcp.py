@@ -18,9 +18,16 @@ Per peer (:class:`_Channel`):
   ahead of us. We stop reading that socket (POLLRDHUP only), leaving the data
   in the kernel; posting the receive resumes it. If the peer hangs up while
   parked we drain its messages into memory, so an ABORT behind them is read.
+- *early messages*: a P2P message nobody waits for (and a drained COLL one) is
+  read into memory; a receive posted while it streams in takes it once it is
+  complete (``_early_done``).
 
 OS errors and EOF become :class:`DistNetworkError` here, naming the peer's rank;
-the first fatal error breaks the transport (see ``base.Transport``).
+the first fatal error breaks the transport (see ``base.Transport``). A dead peer
+is fatal once something waits on it (``_need``); an any-source receive, once no
+peer is left (``_need_any``). A timeout where every rank still owing data has
+joined the op waits a little longer for their ABORT, which names the rank they
+wait on (see ``wait``).
 
 (Longer than our usual module: the send path, the receive state machine and the
 failure handling share the per-channel state and are read together.)
@@ -39,7 +46,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout, Transfer, Transport
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, TAG, Matcher, check_match
+from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match
 
 __all__ = ["TcpTransport"]
 
@@ -48,6 +55,10 @@ logger = logging.getLogger(__name__)
 _STAGE = 65536
 #: How long ``wait`` polls without sleeping before it blocks (see ``progress``).
 _SPIN_S = float(os.environ.get("TORCHDIST_TCP_SPIN_US", "100")) * 1e-6
+#: How long past its own deadline a waiter gives the peers it waits on, when all of them
+#: joined the op, to time out in turn and send the ABORT that names who they wait on
+#: (see ``wait``): their timeout firing, plus an ABORT's trip, on a loaded machine.
+_ABORT_SLACK_S = 1.0
 _HSIZE = HEADER.size
 _unpack_from = HEADER.unpack_from
 _IN = select.POLLIN | select.POLLRDHUP
@@ -58,7 +69,7 @@ _HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
 
 class _Channel:
     __slots__ = ("peer", "sock", "fd", "sendq", "send_off", "stage", "stage_view", "start", "end",
-                 "target", "got", "parked", "draining", "mask", "alive", "lost")
+                 "target", "got", "parked", "draining", "mask", "alive", "lost", "heard_seq", "heard_at")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -76,6 +87,8 @@ class _Channel:
         self.mask = _IN
         self.alive = True
         self.lost: BaseException | None = None  # why the connection ended (EOFError: hang-up)
+        self.heard_seq = -1                # the latest collective the peer sent us a message of,
+        self.heard_at = 0.0                # and when its first message of it arrived
 
 
 class TcpTransport(Transport):
@@ -88,6 +101,7 @@ class TcpTransport(Transport):
         self.label = label
         self._error: BaseException | None = None
         self._matcher = Matcher(size)
+        self._op_seq, self._op_start = -1, 0.0  # the latest collective waited on, since when
         self._channels: list[_Channel | None] = [None] * size
         self._by_fd: dict[int, _Channel] = {}
         self._poller = select.poll()
@@ -129,7 +143,13 @@ class TcpTransport(Transport):
         early = self._matcher.post(transfer)
         if early is not None:
             self._deliver_early(transfer, *early)
-        elif peer is not None and not self._channels[peer].alive:
+            if transfer.error is not None:
+                raise transfer.error
+        elif peer is None:
+            self._need_any()
+            if self._error is not None:
+                raise self._error
+        elif not self._channels[peer].alive:
             self._need(self._channels[peer])  # nothing buffered will ever satisfy it
             raise self._error
         elif kind == MsgKind.COLL:
@@ -141,12 +161,14 @@ class TcpTransport(Transport):
                 self._read(channel)
         return transfer
 
-    def _deliver_early(self, transfer: Transfer, header: tuple, payload: bytes) -> None:
+    def _deliver_early(self, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:
+        """Complete a receive with a message already read into memory (fail it on a mismatch)."""
         try:
             check_match(self.label, self.names, self.rank, transfer, transfer.source, header)
         except DistBackendError as exc:
             self.fail(exc)
-            raise
+            transfer.finish(exc)  # matched, hence no longer posted: fail() did not see it
+            return
         transfer.view[:] = payload
         if transfer.on_data is not None:
             transfer.on_data(transfer.nbytes)
@@ -155,6 +177,9 @@ class TcpTransport(Transport):
     # -- driving -----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
         transfers = list(transfers)
+        if transfers and transfers[0].kind is MsgKind.COLL and transfers[0].seq != self._op_seq:
+            self._op_seq, self._op_start = transfers[0].seq, time.monotonic()  # the op's first wait
+        extended = False
         while True:
             if self._error is not None:
                 raise self._error
@@ -168,13 +193,41 @@ class TcpTransport(Transport):
             else:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
-                    peers = sorted({t.peer for t in transfers if not t.done and t.peer is not None})
-                    raise PeerTimeout(f"{self.label}: timed out waiting for ranks "
-                                      f"{[self.names[p] for p in peers]}", peers)
+                    peers, joined = self._owing(transfers)
+                    if joined and joined == peers and not extended:
+                        # Every rank we wait on joined this collective, so each waits on yet
+                        # another rank (in a ring, on its own left neighbour): naming them
+                        # would blame the wrong rank. Each started the op before we heard
+                        # from it, so its deadline is at most (heard_at - our start) after
+                        # ours: wait that long, plus slack, for its ABORT, which names the
+                        # rank it waited on. If none comes, time out naming them after all.
+                        latest = max(self._channels[p].heard_at for p in joined)
+                        deadline += max(0.0, latest - self._op_start) + _ABORT_SLACK_S
+                        extended = True
+                        continue
+                    raise self._timeout(peers, joined, transfers[0].seq)
             self.progress(timeout, _SPIN_S)
         for transfer in transfers:
             if transfer.error is not None:
                 raise transfer.error
+
+    def _owing(self, transfers: list[Transfer]) -> tuple[list[int], list[int]]:
+        """The peers of unfinished ``transfers``, and those of them that sent us a message
+        of the transfer's collective (or a later one): they joined it."""
+        pending = [t for t in transfers if not t.done and t.peer is not None]
+        peers = sorted({t.peer for t in pending})
+        joined = sorted({t.peer for t in pending
+                         if t.kind is MsgKind.COLL and self._channels[t.peer].heard_seq >= t.seq})
+        return peers, joined
+
+    def _timeout(self, peers: list[int], joined: list[int], seq: int) -> PeerTimeout:
+        # Ranks that joined the op are waiting themselves: blame the others if there are any.
+        suspects = [p for p in peers if p not in joined] or peers
+        message = f"{self.label}: timed out waiting for ranks {[self.names[p] for p in suspects]}"
+        if joined:
+            message += (f"; ranks {[self.names[p] for p in joined]} joined collective #{seq} and are "
+                        "probably waiting on other ranks")
+        return PeerTimeout(message, suspects, joined)
 
     def progress(self, timeout: float, spin: float = 0.0) -> None:
         """One round of ``poll``; ``spin`` seconds of polling without sleeping first."""
@@ -302,6 +355,8 @@ class TcpTransport(Transport):
         if kind == MsgKind.ABORT:
             self._begin_payload(channel, header)
             return
+        if kind == MsgKind.COLL and header[SEQ] != channel.heard_seq:
+            channel.heard_seq, channel.heard_at = header[SEQ], time.monotonic()  # see wait()
         target = self._matcher.match(channel.peer, header)
         if target is None:
             if kind == MsgKind.COLL and not channel.draining:
@@ -328,15 +383,20 @@ class TcpTransport(Transport):
 
     def _early_done(self, peer: int, header: tuple) -> Callable[[Transfer], None]:
         def done(transfer: Transfer) -> None:
-            payload = bytes(transfer.view)
             if header[KIND] == MsgKind.ABORT:
-                reason = payload.decode("utf-8", "replace")
+                reason = bytes(transfer.view).decode("utf-8", "replace")
                 self.fail(DistBackendError(f"{self.label}: rank {self.names[self.rank]}: the group was "
                                            f"aborted by rank {self.names[peer]}: {reason}"), notify=False)
+                return
+            # A receive posted while this payload streamed in found it neither among the
+            # early messages nor as a new header: it takes the message now.
+            target = self._matcher.match(peer, header)
+            if target is not None:
+                self._deliver_early(target, header, transfer.view)
             elif header[KIND] == MsgKind.COLL:
-                self._matcher.coll_early[peer].append((header, payload))
+                self._matcher.coll_early[peer].append((header, bytes(transfer.view)))
             else:
-                self._matcher.p2p_early.append((peer, header, payload))
+                self._matcher.p2p_early.append((peer, header, bytes(transfer.view)))
         return done
 
     def _advance(self, channel: _Channel, n: int) -> None:
@@ -370,23 +430,52 @@ class TcpTransport(Transport):
         except (KeyError, ValueError):
             pass
         self._need(channel)
+        self._need_any()
 
-    def _need(self, channel: _Channel, force: bool = False) -> None:
+    def _need(self, channel: _Channel) -> None:
         """Fail if ``channel`` is dead and something still waits on it."""
         if channel.alive or self._error is not None:
             return
         peer = channel.peer
-        waiting = (force or channel.target is not None or channel.sendq or self._matcher.coll_posted[peer]
-                   or any(t.peer == peer for t in self._matcher.p2p_posted))
-        if not waiting:
+        if not (channel.target is not None or channel.sendq or self._matcher.coll_posted[peer]
+                or any(t.peer == peer for t in self._matcher.p2p_posted)):
             return
-        exc, name = channel.lost, self.names[peer]
-        how = "it closed the connection" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
+        name = self.names[peer]
+        if channel.target is not None or channel.end > channel.start:
+            # A rank that breaks its group mid-message cannot send an ABORT behind the
+            # message: it drops the rest and half-closes (see _send_abort), which lands here.
+            cause = (f"Rank {name} died, exited or broke the group in the middle of a message to rank "
+                     f"{self.names[self.rank]}; see its log for the cause.")
+        else:
+            cause = f"Rank {name} most likely died or exited; see its log for the cause."
+        error = DistNetworkError(f"{self.label}: rank {self.names[self.rank]} lost rank {name}: "
+                                 f"{self._how_lost(channel)}. {cause}")
+        self._fail_lost(error, [channel])
+
+    def _need_any(self) -> None:
+        """Fail if an any-source receive waits and every peer is gone: nobody can satisfy it."""
+        channels = [c for c in self._channels if c is not None]
+        if (self._error is not None or not channels or any(c.alive for c in channels)
+                or not any(t.peer is None for t in self._matcher.p2p_posted)):
+            return
+        names = [self.names[c.peer] for c in channels]
+        hows = "; ".join(f"rank {self.names[c.peer]}: {self._how_lost(c)}" for c in channels)
         error = DistNetworkError(
-            f"{self.label}: rank {self.names[self.rank]} lost rank {name}: {how}. Rank {name} most likely "
-            "died or exited; see its log for the cause.")
-        if not isinstance(exc, EOFError):
-            error.__cause__ = exc
+            f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: "
+            f"it lost every peer, ranks {names} ({hows}). They most likely died or exited; see their "
+            "logs for the cause.")
+        self._fail_lost(error, channels)
+
+    @staticmethod
+    def _how_lost(channel: _Channel) -> str:
+        exc = channel.lost
+        return "it closed the connection" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
+
+    def _fail_lost(self, error: DistNetworkError, channels: list[_Channel]) -> None:
+        """Break with ``error``, the OSError that ended one of ``channels`` (if any) as its cause."""
+        causes = [c.lost for c in channels if not isinstance(c.lost, EOFError)]
+        if causes:
+            error.__cause__ = causes[0]
         self.fail(error)
 
     def fail(self, error: BaseException, notify: bool = True) -> None:
@@ -408,6 +497,8 @@ class TcpTransport(Transport):
 
     def _send_abort(self, reason: str) -> None:
         # Best effort, without blocking: an ABORT can only go out at a message boundary.
+        # Mid-message, the half-close alone ends the peer's wait at once: fail() drops the
+        # rest of the payload, so the peer reads what the kernel holds, then EOF (_need).
         payload = reason.encode("utf-8", "replace")
         frame = Header(MsgKind.ABORT, 0, len(payload)).pack() + payload  # noqa: off the hot path
         for channel in self._channels:

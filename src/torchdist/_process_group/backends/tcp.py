@@ -164,11 +164,18 @@ class TcpBackend(ProcessGroupBackend):
         """Turn ``exc`` (raised on the driving thread) into the op's error; break the group."""
         where = f"{op_name} (collective #{seq})" if seq is not None else op_name
         if isinstance(exc, PeerTimeout):
-            names = [self.global_ranks[p] for p in exc.peers]
+            names = [self.global_ranks[p] for p in exc.peers if p not in exc.joined]
+            joined = [self.global_ranks[p] for p in exc.joined]
+            if names:
+                what = f"ranks {names} did not arrive (they have not sent what this rank waits for)"
+                if joined:
+                    what += f"; ranks {joined} joined it and are probably waiting on them"
+            else:
+                what = (f"ranks {joined} joined it but did not finish; they are waiting on other ranks "
+                        "(see their errors)")
             error = DistBackendError(
-                f"{self._label}: {where} timed out after {self._seconds:.1f}s on {self._me()}: ranks "
-                f"{names} did not arrive (they have not sent what this rank waits for). Check that every "
-                "rank calls the same collectives in the same order, or raise the group's timeout.")
+                f"{self._label}: {where} timed out after {self._seconds:.1f}s on {self._me()}: {what}. Check that "
+                "every rank calls the same collectives in the same order, or raise the group's timeout.")
         elif isinstance(exc, DistError):
             error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: {exc}")
         else:
