@@ -55,7 +55,7 @@ from ._c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, monitored_barrier
 from ._ddp.bucket import GradBucket
 from .nn.parallel import DistributedDataParallel
 from .utils.data import DistributedSampler
-from . import algorithms, autograd, nn, optim, rpc, utils
+from . import algorithms, autograd, nn, optim, rpc, symmetric_memory, utils
 from ._c10d.object_collectives import (
     all_gather_object,
     broadcast_object_list,

@@ -24,7 +24,9 @@ common ones.
   rings the doorbell of a peer that sleeps.
 
 Collectives that gain from reading peers' memory directly use the step protocol
-(:class:`~.shm_steps.Steps`, ``self.steps``) instead of messages.
+(:class:`~.shm_steps.Steps`, ``self.steps``) instead of messages, and read
+tensors that live in symmetric memory (:class:`~.shm_heap.SymmetricHeap`,
+``self.heap``) where they are.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .base import PeerTimeout, Transfer, Transport
 from .framing import HEADER, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, TAG, Matcher, check_match
 from .shm_board import Board
+from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
 
 __all__ = ["ShmTransport", "RING_BYTES", "CHUNK_BYTES"]
@@ -91,8 +94,9 @@ class _In:
 class ShmTransport(Transport):
     """The shared-memory implementation of :class:`~torchdist._transport.base.Transport`."""
 
-    def __init__(self, board: Board) -> None:
+    def __init__(self, board: Board, heap: SymmetricHeap | None = None) -> None:
         self.board = board
+        self.heap = heap
         self.rank, self.size = board.rank, board.size
         self.names, self.label = board.names, board.label
         self.ring = board.layout.ring
@@ -113,7 +117,8 @@ class ShmTransport(Transport):
 
     @classmethod
     def connect(cls, store, rank: int, size: int, timeout: float, names: list[int], label: str) -> "ShmTransport":
-        return cls(Board(store, rank, size, timeout, names, label, RING_BYTES, CHUNK_BYTES))
+        return cls(Board(store, rank, size, timeout, names, label, RING_BYTES, CHUNK_BYTES),
+                   SymmetricHeap(store, rank, size, timeout, names, label))
 
     @property
     def error(self) -> BaseException | None:
@@ -402,4 +407,6 @@ class ShmTransport(Transport):
                 channel.data.release()
         self._out, self._in = [None] * self.size, [None] * self.size
         self.steps.close()
+        if self.heap is not None:
+            self.heap.close()
         self.board.close()

@@ -38,6 +38,7 @@ import torch
 from ..errors import DistBackendError
 from .framing import OpFingerprint
 from .shm_board import FP, FP_LINE, LINE, STEP, Board
+from .shm_heap import SymmetricHeap
 
 __all__ = ["Steps", "IN", "OUT"]
 
@@ -74,7 +75,8 @@ class Steps:
 
     # -- the protocol ------------------------------------------------------------------
     def begin(self, seq: int, fingerprint: OpFingerprint, aux: int = 0) -> None:
-        """Start a collective: its fingerprint goes with its first step."""
+        """Start a collective: its fingerprint goes with its first step (``aux``: where
+        its tensor lives, 0 unless in symmetric memory)."""
         g = self.step + 1
         record = (seq, *fingerprint, aux)
         FP.pack_into(self.board.segments[self.rank].buf, (FP_LINE + g % 2) * LINE, *record)
@@ -187,9 +189,10 @@ class Steps:
         names = self.board.names
         ours = f"collective #{mine[0]} {OpFingerprint(*mine[1:6]).describe()}"
         other = f"collective #{theirs[0]} {OpFingerprint(*theirs[1:6]).describe()}"
-        if mine[:6] == theirs[:6]:
-            detail = (f"both ranks are at {ours}, but their sizes differ (rank {names[self.rank]}: "
-                      f"{mine[6]}, rank {names[peer]}: {theirs[6]})")
+        if mine[:6] == theirs[:6]:  # aux: where the tensors live (see shm_heap.SymmetricHeap.describe)
+            detail = (f"both ranks are at {ours}, but rank {names[self.rank]} passed "
+                      f"{SymmetricHeap.explain(mine[6])} and rank {names[peer]} {SymmetricHeap.explain(theirs[6])}; "
+                      "a collective on symmetric memory needs every rank's tensor at the same place")
         else:
             detail = f"rank {names[self.rank]} is at {ours} but rank {names[peer]} is at {other}"
         return DistBackendError(

@@ -72,6 +72,13 @@ class ShmBackend(TcpBackend):
         return ShmTransport.connect(self.store, self._rank, self._size, self._seconds, self.global_ranks,
                                     self._label)
 
+    def allocate_symmetric(self, nbytes: int) -> torch.Tensor:
+        """Collective: ``nbytes`` of symmetric memory (``_transport/shm_heap``), as uint8."""
+        if self._broken is not None:
+            raise DistBackendError(f"{self._label}: {self._me()} cannot allocate symmetric memory: the group is "
+                                   f"broken by an earlier error ({self._broken})") from self._broken
+        return self._transport.heap.allocate(nbytes)
+
     # -- running collectives on the caller's thread -------------------------------------
     # On shared memory a collective is pure CPU work on the caller's core. Handing it
     # to the engine's worker costs two thread wake-ups (30-300 us each on the 2-core

@@ -1,0 +1,105 @@
+"""Symmetric memory (``torchdist.symmetric_memory``): tensors every rank of a one-host group reads
+directly, and the collectives that use them without copying through the board's regions.
+
+Values are checked against torch computed locally and must be bit-identical on every
+rank, at world sizes 1-4 with slices that do not divide evenly; a rank passing an
+ordinary tensor where the others pass a symmetric one raises on every rank; nothing
+is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import torchdist
+from torchdist._transport.shm_segment import PREFIX, shm_dir, supported
+from torchdist.errors import DistBackendError
+from torchdist.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(supported() is not None, reason=str(supported()))
+
+N = (1 << 18) + 3  # 1 MiB of float32 and a bit: above SMALL_BYTES, slices of unequal size
+
+
+def _data(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _collectives(rank: int, world: int) -> list[torch.Tensor]:
+    torch.set_num_threads(1)
+    out = []
+    buf = torchdist.symmetric_memory.empty(N, dtype=torch.float32)
+    assert torchdist.symmetric_memory.is_symmetric(buf) and not torchdist.symmetric_memory.is_symmetric(_data(0, 4))
+    assert buf.shape == (N,) and torch.count_nonzero(buf) == 0
+    inputs = [_data(r, N) for r in range(world)]
+    expected = torch.stack(inputs).double().sum(0)
+    for op, want in ((torchdist.ReduceOp.SUM, expected), (torchdist.ReduceOp.AVG, expected / world),
+                     (torchdist.ReduceOp.MAX, torch.stack(inputs).max(0).values.double())):
+        buf.copy_(inputs[rank])
+        torchdist.all_reduce(buf, op=op)
+        assert torch.allclose(buf.double(), want, atol=1e-4), op
+        out.append(buf.clone())
+    # an offset view of the same allocation, async
+    view = buf[5:5 + (N - 10)]
+    view.copy_(inputs[rank][5:5 + (N - 10)])
+    torchdist.all_reduce(view, async_op=True).wait()
+    assert torch.allclose(view.double(), expected[5:5 + (N - 10)], atol=1e-4)
+    out.append(view.clone())
+    for root in range(world):
+        buf.copy_(inputs[rank])
+        torchdist.broadcast(buf, src=root)
+        assert torch.equal(buf, inputs[root])
+    gathered = torchdist.symmetric_memory.empty(world, N, dtype=torch.float32)
+    torchdist.all_gather_into_tensor(gathered, inputs[rank])
+    assert torch.equal(gathered, torch.stack(inputs))
+    # other dtypes share the allocator
+    ints = torchdist.symmetric_memory.empty((2, N), dtype=torch.int64)
+    ints.copy_(torch.arange(2 * N).view(2, N) * (rank + 1))
+    torchdist.all_reduce(ints)
+    assert torch.equal(ints, torch.arange(2 * N).view(2, N) * (world * (world + 1) // 2))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_on_symmetric_tensors_match_torch_bit_for_bit(world: int) -> None:
+    before = _ours()
+    results = run_ranks(_collectives, world, backend="shm", timeout=120)
+    for result in results:
+        for a, b in zip(result, results[0]):
+            assert torch.equal(a, b)
+    assert _ours() <= before
+
+
+def _mixed(rank: int, world: int) -> tuple[str, float]:
+    buf = torchdist.symmetric_memory.empty(N)
+    tensor = buf if rank == 0 else torch.zeros(N)
+    start = time.monotonic()
+    with pytest.raises(DistBackendError) as info:
+        torchdist.all_reduce(tensor)
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_rank_passing_an_ordinary_tensor_raises_on_every_rank() -> None:
+    for message, elapsed in run_ranks(_mixed, 2, backend="shm", timeout=60):
+        assert elapsed < 5, message
+        assert "mismatch" in message and "symmetric allocation #0" in message and "an ordinary tensor" in message
+
+
+def _on_tcp(rank: int, world: int) -> str:
+    with pytest.raises(RuntimeError) as info:
+        torchdist.symmetric_memory.empty(4)
+    return str(info.value)
+
+
+def test_a_group_not_on_shared_memory_says_so() -> None:
+    for message in run_ranks(_on_tcp, 2, backend="tcp", timeout=60):
+        assert "one host" in message and "'shm'" in message
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
