@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="torchdist backend: auto, shm, tcp")
     p.add_argument("--compare", default=None, help="also run torch.distributed with this backend (gloo)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--symmetric", action="store_true",
+                   help="torchdist's buffers in symmetric memory (torchdist.symmetric_memory; backend shm)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--plot", default=None, help="plot bus bandwidth and latency vs size (needs matplotlib)")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = Job(ops=ops, sizes=tuple(sizes), backend=args.backend, compare=args.compare, dtype=args.datatype,
                   redop=args.op, root=args.root, iters=args.iters, warmup=args.warmup_iters, rounds=args.rounds,
-                  threads=args.threads, check=bool(args.check), port=free_port(),
+                  threads=args.threads, symmetric=args.symmetric, check=bool(args.check), port=free_port(),
                   compare_port=free_port() if args.compare else 0, timeout_s=args.timeout)
     except ValueError as exc:
         raise SystemExit(f"torchdist-bench: {exc}") from None

@@ -55,6 +55,7 @@ class Job:
     warmup: int = 5
     rounds: int = 2
     threads: int = 1
+    symmetric: bool = False  # torchdist's buffers in symmetric memory
     check: bool = True
     port: int = 0
     compare_port: int = 0
@@ -78,7 +79,8 @@ class Job:
 class _Case:
     """One op at one size on one implementation: ``run()`` times, ``check()`` verifies."""
 
-    def __init__(self, dist, op: str, nbytes: int, world: int, rank: int, job: Job) -> None:
+    def __init__(self, dist, op: str, nbytes: int, world: int, rank: int, job: Job,
+                 pools: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.dist, self.op, self.world, self.rank = dist, op, world, rank
         self.dtype = getattr(torch, job.dtype)
         self.redop = getattr(dist.ReduceOp, job.redop.upper())
@@ -92,8 +94,13 @@ class _Case:
         small = count // world if op in ("all_gather", "reduce_scatter") else count
         big = count
         # Timing runs on zeros: sums stay finite however many iterations run.
-        self.inp = torch.zeros(small if op == "all_gather" else big, dtype=self.dtype)
-        self.out = torch.zeros(small if op == "reduce_scatter" else big, dtype=self.dtype)
+        inp_count, out_count = small if op == "all_gather" else big, small if op == "reduce_scatter" else big
+        if pools is None:
+            self.inp = torch.zeros(inp_count, dtype=self.dtype)
+            self.out = torch.zeros(out_count, dtype=self.dtype)
+        else:  # views at offset 0 of the two symmetric pools: the same place on every rank
+            self.inp = pools[0].view(self.dtype)[:inp_count].zero_()
+            self.out = pools[1].view(self.dtype)[:out_count].zero_()
 
     def run(self) -> None:
         d, op = self.dist, self.op
@@ -168,9 +175,14 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
     times: dict[tuple, list[float]] = {}
     wrong: dict[tuple, int] = {}
     clock = time.perf_counter
+    pools = None
+    if job.symmetric:  # symmetric memory lives as long as the group: one pair of pools for all sizes
+        largest = (max(job.sizes) // 16 + world + 1) * 16  # room for _Case's rounding up, any dtype
+        pools = tuple(impls["torchdist"].symmetric_memory.empty(largest, dtype=torch.uint8) for _ in range(2))
     for op in job.ops:
         for nbytes in job.sizes:
-            cases = {name: _Case(impls[name], op, nbytes, world, rank, job) for name in names}
+            cases = {name: _Case(impls[name], op, nbytes, world, rank, job, pools if name == "torchdist" else None)
+                     for name in names}
             iters = job.iterations(nbytes)
             for round_ in range(job.rounds):
                 order = names if round_ % 2 == 0 else names[::-1]
