@@ -25,11 +25,12 @@ def test_sizes_parse_like_nccl_tests() -> None:
         8, 65536, 1 << 20, 64 << 20, 2 << 30, 512 << 10]
 
 
-@pytest.mark.parametrize("nproc, backend", [(2, "shm"), (3, "auto"), (2, "tcp")])
-def test_every_collective_is_verified(tmp_path, nproc: int, backend: str) -> None:
+@pytest.mark.parametrize("nproc, backend, extra", [(2, "shm", ()), (3, "auto", ()), (2, "tcp", ()),
+                                                   (3, "shm", ("--symmetric",))])
+def test_every_collective_is_verified(tmp_path, nproc: int, backend: str, extra: tuple) -> None:
     out = tmp_path / "rows.json"
     proc = _bench("all", "-b", "8", "-e", "256K", "-f", "32", "--nproc", str(nproc), "--backend", backend,
-                  "-n", "3", "-w", "1", "-r", "1", "--json", str(out))
+                  "-n", "3", "-w", "1", "-r", "1", "--json", str(out), *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for column in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"):
         assert column in proc.stdout
