@@ -85,6 +85,29 @@ def test_solo_buckets_reduce_the_grad_in_place(set_to_none):
             assert all(step.values()), step
 
 
+def _symmetric_buckets(rank, world_size, as_view):
+    import torchdist
+    ddp = DDP(build("wide"), gradient_as_bucket_view=as_view)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    symmetric = []
+    for x, y in full_batches("wide", world_size, 3):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+        symmetric.append([torchdist.symmetric_memory.is_symmetric(b.buffer) for b in ddp.reducer.buckets])
+    return state(ddp), symmetric
+
+
+@pytest.mark.parametrize("world_size, as_view", [(2, False), (3, False), (2, True)])
+def test_coalesced_buckets_live_in_symmetric_memory_on_shm(world_size, as_view):
+    """A coalesced bucket over 128 KiB is allocated in the group's symmetric memory, so its
+    all-reduce reads the peers' buckets in place; training matches the single process."""
+    want = train_reference("wide", world_size, 3)
+    for got, symmetric in run_ranks(_symmetric_buckets, world_size, args=(as_view,), backend="shm"):
+        assert_close_states(got, want)
+        assert all(any(step) for step in symmetric), symmetric  # the rebuilt buckets too
+
+
 def _channels_last_model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 4 * 4, 5))

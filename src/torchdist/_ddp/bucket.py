@@ -35,7 +35,7 @@ it never does, after all others.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -91,7 +91,12 @@ class Bucket:
     reduced in place, ``.grad`` flattened (``in_grad`` is then True).
     """
 
-    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], solo: bool = False) -> None:
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], solo: bool = False,
+                 allocate: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
+        """``allocate(numel, dtype)``: where a coalesced bucket's flat tensor lives (None: an
+        ordinary tensor). It is called on every rank at the same point (construction), so
+        it may be collective; a solo bucket's fallback tensor is allocated on demand,
+        on one rank and not another, so it is always an ordinary one."""
         self.index = index
         self.param_indices = param_indices
         self.params = params
@@ -103,7 +108,7 @@ class Bucket:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self._storage: torch.Tensor | None = None
+        self._storage: torch.Tensor | None = None if solo or allocate is None else allocate(self.numel, self.dtype)
         self._views: list[torch.Tensor] = []
         self.buffer: torch.Tensor | None = None if solo else self.storage()
         self.in_grad = False  # this iteration's buffer is the solo parameter's .grad
@@ -114,8 +119,8 @@ class Bucket:
     def storage(self) -> torch.Tensor:
         """The bucket's own flat tensor (allocated on first use for a solo bucket)."""
         if self._storage is None:
-            p = self.params[0]
-            self._storage = torch.zeros(self.numel, dtype=self.dtype, device=p.device)
+            self._storage = torch.zeros(self.numel, dtype=self.dtype, device=self.params[0].device)
+        if not self._views:
             self._views = [self._storage[o:o + q.numel()].view(q.shape) for q, o in zip(self.params, self.offsets)]
         return self._storage
 

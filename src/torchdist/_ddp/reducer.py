@@ -54,6 +54,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .._algorithms.shm_direct import SMALL_BYTES
 from .._c10d.collectives import all_reduce, broadcast
 from .._process_group.reduce_op import ReduceOp
 from .bucket import Bucket, GradBucket, assign_buckets
@@ -138,7 +139,8 @@ class Reducer:
     def _build(self, order: list[int]) -> None:
         """(Re)create the buckets over ``order``; with bucket views, point ``.grad`` at them."""
         groups = assign_buckets(self._params, order, self._config.size_limits(), self._config.solo_param_bytes)
-        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx], solo)
+        allocate = self._symmetric_allocator()
+        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx], solo, allocate)
                          for i, (idx, solo) in enumerate(groups)]
         self._where = [(0, 0)] * len(self._params)
         for bucket in self._buckets:
@@ -154,6 +156,21 @@ class Reducer:
                             view.copy_(p.grad)
                             p.grad = view
         logger.debug("reducer: %d buckets of %s bytes", len(self._buckets), [b.nbytes for b in self._buckets])
+
+    def _symmetric_allocator(self) -> Callable[[int, torch.dtype], torch.Tensor | None] | None:
+        """Coalesced buckets in the group's symmetric memory where it has one (backend shm):
+        their all-reduce then reads the peers' buckets where they lie, with no copy into
+        the transport's buffers. Small buckets gain nothing (one step either way).
+        Allocations live as long as the group, so the buckets of the first iteration
+        stay allocated after the rebuild."""
+        allocate = getattr(self._group.backend, "allocate_symmetric", None)
+        if allocate is None or any(p.device.type != "cpu" for p in self._params):
+            return None
+
+        def symmetric(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            return allocate(nbytes).view(dtype) if nbytes > SMALL_BYTES else None
+        return symmetric
 
     @property
     def buckets(self) -> list[Bucket]:
