@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 
-from .._process_group.reduce_op import ReduceOp, as_red_op, supports_complex
+from .._process_group.reduce_op import COMPLEX_REDUCE_OPS, RedOpType, ReduceOp, as_red_op
 from .._process_group.work import Work
 from ._args import Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group
 
@@ -42,12 +42,17 @@ __all__ = [
 ]
 
 
+_BITWISE = frozenset({RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
+
+
 def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
     kind, _ = as_red_op(op)
-    if any(t.is_complex() for t in tensors) and not supports_complex(op):
+    if kind in _BITWISE:
+        if any(t.is_floating_point() for t in tensors):
+            raise ValueError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
+                             f"got {tensors[0].dtype}")
+    elif kind not in COMPLEX_REDUCE_OPS and any(t.is_complex() for t in tensors):
         raise ValueError(f"{name} does not support {kind.name} on complex tensors")
-    if kind in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and any(t.is_floating_point() for t in tensors):
-        raise ValueError(f"{name}: {kind.name} is only defined for integer and bool tensors, got {tensors[0].dtype}")
     return op
 
 

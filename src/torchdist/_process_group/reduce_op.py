@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["ReduceOp", "RedOpType", "reduce_op", "_make_nccl_premul_sum", "supports_complex"]
+__all__ = ["ReduceOp", "RedOpType", "reduce_op", "_make_nccl_premul_sum", "supports_complex", "COMPLEX_REDUCE_OPS"]
 
 
 class RedOpType(enum.IntEnum):
@@ -86,9 +86,13 @@ def _make_nccl_premul_sum(factor: float) -> ReduceOp:
     return ReduceOp(RedOpType.PREMUL_SUM, factor)
 
 
+#: The reduce ops defined on complex tensors.
+COMPLEX_REDUCE_OPS = frozenset({RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM})
+
+
 def supports_complex(op: "ReduceOp | RedOpType") -> bool:
     """Only SUM, AVG and PREMUL_SUM are defined on complex tensors."""
-    return as_red_op(op)[0] in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
+    return as_red_op(op)[0] in COMPLEX_REDUCE_OPS
 
 
 class reduce_op:  # noqa: N801 - PyTorch's deprecated alias keeps its name

@@ -105,7 +105,9 @@ class Work:
         group's own) raises ``DistBackendError`` if the op is still running then.
         """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._done.wait(seconds if seconds else None):
+        # is_set() first: a finished op (the usual case for a synchronous call) skips the
+        # Event's lock, a microsecond of a 16 us all-reduce.
+        if not self._done.is_set() and not self._done.wait(seconds if seconds else None):
             raise DistBackendError(
                 f"Work.wait: {self.op_name} did not complete within {seconds:.3f}s; the operation "
                 "is still in flight. Wait longer, or check that every rank called it."
