@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torchdist.algorithms import Join
+from torchdist.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torchdist.nn.parallel import DistributedDataParallel as DDP
 from torchdist.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from torchdist.testing import run_ranks
@@ -14,10 +15,14 @@ from torchdist.testing import run_ranks
 from ._common import LR, TOL, build, full_batches, shard, state
 
 
-def _uneven(rank, world_size, divide_by_initial):
-    ddp = DDP(build("mlp"), bucket_cap_mb=0.002)
+def _uneven(rank, world_size, divide_by_initial, model="mlp", hook=None):
+    # "mlp": tiny buckets; "wide": a ~300 KiB coalesced bucket, in symmetric memory on shm,
+    # which the joined ranks must shadow with a tensor at the same place
+    ddp = DDP(build(model), bucket_cap_mb=0.002 if model == "mlp" else 25)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    batches = full_batches("mlp", world_size, 2 + 2 * rank)  # rank r runs 2 + 2r iterations
+    batches = full_batches(model, world_size, 2 + 2 * rank)  # rank r runs 2 + 2r iterations
     with ddp.join(divide_by_initial_world_size=divide_by_initial):
         for x, y in batches:
             opt.zero_grad()
@@ -26,11 +31,11 @@ def _uneven(rank, world_size, divide_by_initial):
     return state(ddp)
 
 
-def _reference(world_size, divide_by_initial):
-    model = build("mlp")
+def _reference(world_size, divide_by_initial, name="mlp"):
+    model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     iters = [2 + 2 * r for r in range(world_size)]
-    for i, (x, y) in enumerate(full_batches("mlp", world_size, max(iters))):
+    for i, (x, y) in enumerate(full_batches(name, world_size, max(iters))):
         active = [r for r in range(world_size) if iters[r] > i]
         divisor = world_size if divide_by_initial else len(active)
         opt.zero_grad()
@@ -46,6 +51,15 @@ def test_join_with_uneven_inputs_finishes_and_matches(world_size, divide_by_init
     want = _reference(world_size, divide_by_initial)
     # the last rank to join trained on every iteration: it matches the reference;
     # the post hook then gives every rank its parameters
+    for rank, got in enumerate(results):
+        for k, v in want.items():
+            torch.testing.assert_close(got["module." + k], v, **TOL, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+@pytest.mark.parametrize("hook", [None, allreduce_hook])
+def test_join_shadows_symmetric_buckets_on_shm(hook):
+    results = run_ranks(_uneven, 3, args=(True, "wide", hook), backend="shm")
+    want = _reference(3, True, "wide")
     for rank, got in enumerate(results):
         for k, v in want.items():
             torch.testing.assert_close(got["module." + k], v, **TOL, msg=lambda m: f"rank {rank} {k}: {m}")

@@ -224,10 +224,19 @@ class Reducer:
         self._divide_by_initial_world_size = divide_by_initial_world_size
 
     def match_all_reduce_for_joined(self) -> None:
-        """On a joined rank: shadow one backward's collectives with zero gradients."""
-        pending = []
+        """On a joined rank: shadow one backward's collectives with zero gradients.
+
+        A coalesced bucket is shadowed by its own flat tensor, zeroed and restored
+        afterwards: in symmetric memory its all-reduce must name the same place as
+        the active ranks' (with bucket views it also holds this rank's ``.grad``)."""
+        pending, restore = [], []
         for bucket in self._buckets:
-            zeros = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            if bucket.solo:
+                zeros = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            else:
+                zeros = bucket.storage()
+                restore.append((zeros, zeros.clone()))
+                zeros.zero_()
             if self._comm_hook is None:
                 pending.append(all_reduce(zeros, self._bucket_op(), group=self._group, async_op=True))
             else:
@@ -237,6 +246,9 @@ class Reducer:
             pending.append(all_reduce(torch.zeros_like(self._locally_used), group=self._group, async_op=True))
         for item in pending:
             item.wait()
+        with torch.no_grad():
+            for storage, saved in restore:
+                storage.copy_(saved)
 
     # -- the iteration ------------------------------------------------------------------------
     def ensure_prior_reduction_finished(self) -> None:
