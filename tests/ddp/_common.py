@@ -8,6 +8,8 @@ atol 5e-5 (PyTorch's DDP tests, inventory statement 67).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,11 +20,11 @@ LR = 0.1
 
 
 class Mlp(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.net1 = nn.Linear(10, 32)
-        self.net2 = nn.Linear(32, 32)
-        self.out = nn.Linear(32, 5)
+        self.net1 = nn.Linear(10, width)
+        self.net2 = nn.Linear(width, width)
+        self.out = nn.Linear(width, 5)
 
     def forward(self, x):
         return self.out(F.relu(self.net2(F.relu(self.net1(x)))))
@@ -41,20 +43,8 @@ class Cnn(nn.Module):
         return self.fc(x.flatten(1))
 
 
-class Wide(nn.Module):
-    """Weights of 256 KiB: under the solo size, so they share a coalesced bucket of ~300 KiB."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(10, 256)
-        self.net2 = nn.Linear(256, 256)
-        self.out = nn.Linear(256, 5)
-
-    def forward(self, x):
-        return self.out(F.relu(self.net2(F.relu(self.net1(x)))))
-
-
-MODELS = {"mlp": (Mlp, (10,)), "cnn": (Cnn, (3, 8, 8)), "wide": (Wide, (10,))}
+# "wide": 256 KiB weights, under the solo size, sharing a coalesced bucket of ~300 KiB
+MODELS = {"mlp": (Mlp, (10,)), "cnn": (Cnn, (3, 8, 8)), "wide": (functools.partial(Mlp, 256), (10,))}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
