@@ -4,8 +4,8 @@ PyTorch offers this for CUDA (``torch.distributed._symmetric_memory``); torchdis
 offers it for shared memory. ``empty`` is collective over the group: every rank
 gets a tensor of the same shape in a segment that all the group's ranks map.
 Collectives of that group on such tensors (all_reduce, broadcast,
-all_gather_into_tensor into one) read the peers' data where it lies instead of
-copying it through the transport's buffers first. Any other use of the tensor is
+all_gather_into_tensor into one, reduce_scatter_tensor from one) read the peers'
+data where it lies instead of copying it through the transport's buffers first. Any other use of the tensor is
 that of an ordinary CPU tensor.
 
     buf = torchdist.symmetric_memory.empty(1 << 24, dtype=torch.float32)

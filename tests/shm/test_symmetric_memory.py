@@ -57,6 +57,11 @@ def _collectives(rank: int, world: int) -> list[torch.Tensor]:
     gathered = torchdist.symmetric_memory.empty(world, N, dtype=torch.float32)
     torchdist.all_gather_into_tensor(gathered, inputs[rank])
     assert torch.equal(gathered, torch.stack(inputs))
+    # reduce-scatter from a symmetric input: every rank's input is the gathered rows times (rank + 1)
+    gathered.mul_(rank + 1)
+    chunk = torch.empty(N)
+    torchdist.reduce_scatter_tensor(chunk, gathered.view(-1))
+    assert torch.allclose(chunk.double(), inputs[rank].double() * (world * (world + 1) // 2), atol=1e-4)
     # other dtypes share the allocator
     ints = torchdist.symmetric_memory.empty((2, N), dtype=torch.int64)
     ints.copy_(torch.arange(2 * N).view(2, N) * (rank + 1))

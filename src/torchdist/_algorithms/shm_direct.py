@@ -42,7 +42,8 @@ one so that nobody changes its tensor while a peer still reads it); per rank and
 byte that is ``1 + 1/p`` reads for the reduction and ``2 (p-1)/p`` for the
 copies, against the pipeline's ``5 + 1/p`` passes. Broadcast: sync, the others
 copy the root's tensor, sync. All-gather into a symmetric output: sync, copy
-every peer's piece from its twin, sync. The (allocation, offset) code is part of
+every peer's piece from its twin, sync. Reduce-scatter of a symmetric input:
+sync, fold chunk r of every twin into the output, sync. The (allocation, offset) code is part of
 the fingerprint (``aux``), so ranks that disagree about it raise.
 """
 
@@ -254,29 +255,27 @@ def allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
     steps = _steps(comm)
     if steps is None:
         return collectives.allgather(comm, pieces)
-    twins, code = _gathered_twins(comm, pieces)
-    if twins is None:
+    blocks, code = _block_twins(comm, pieces)
+    if blocks is None:
         return _gather(steps, comm, pieces, pieces[comm.rank], None)
+    n = pieces[0].numel()
     steps.begin(comm.seq, comm.fingerprint, code)
     steps.sync(comm.deadline)  # every rank's piece is in place
     for j, piece in enumerate(pieces):
         if j != comm.rank:
-            piece.copy_(twins[j])
+            piece.copy_(blocks[j][j * n:(j + 1) * n])
     steps.sync(comm.deadline)  # nobody reads my piece any more
 
 
-def _gathered_twins(comm: Comm, pieces: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, int]:
-    """For an all-gather into one symmetric tensor (equal pieces, back to back): piece j
-    of rank j's twin, for every j, and the code of the whole output."""
+def _block_twins(comm: Comm, pieces: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, int]:
+    """For one per rank equal ``pieces`` back to back in symmetric memory (an all-gather's
+    output, a reduce-scatter's input): every rank's twin of the whole block, and its code."""
     first, n = pieces[0], pieces[0].numel()
     esize = first.element_size()
     if any(piece.numel() != n or piece.data_ptr() != first.data_ptr() + j * n * esize
            for j, piece in enumerate(pieces)):
         return None, 0
-    twins, code = _twins(comm, first.data_ptr(), len(pieces) * n * esize, first.dtype)
-    if twins is None:
-        return None, 0
-    return [twins[j][j * n:(j + 1) * n] for j in range(comm.size)], code
+    return _twins(comm, first.data_ptr(), len(pieces) * n * esize, first.dtype)
 
 
 def gather(comm: Comm, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int) -> None:
@@ -315,7 +314,15 @@ def reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combine, out
     steps = _steps(comm)
     if steps is None:
         return collectives.reduce_scatter(comm, chunks, combine, output)
-    _scatter(steps, comm, chunks, output, combine, None)
+    blocks, code = _block_twins(comm, chunks)
+    r, n = comm.rank, output.numel()
+    start = chunks[0].data_ptr()
+    if blocks is None or start <= output.data_ptr() < start + comm.size * n * output.element_size():
+        return _scatter(steps, comm, chunks, output, combine, None)  # (an output inside the input: ordinary)
+    steps.begin(comm.seq, comm.fingerprint, code)
+    steps.sync(comm.deadline)  # every rank's input is in place
+    _fold(output, [block[r * n:(r + 1) * n] for block in blocks], combine)
+    steps.sync(comm.deadline)  # nobody reads my input any more
 
 
 def scatter(comm: Comm, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> None:
