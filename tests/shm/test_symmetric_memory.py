@@ -95,6 +95,17 @@ def test_a_rank_passing_an_ordinary_tensor_raises_on_every_rank() -> None:
         assert "mismatch" in message and "symmetric allocation #0" in message and "an ordinary tensor" in message
 
 
+def _different_sizes(rank: int, world: int) -> str:
+    with pytest.raises(DistBackendError) as info:
+        torchdist.symmetric_memory.empty(100 + rank)
+    return str(info.value)
+
+
+def test_ranks_asking_for_different_sizes_get_a_clear_error() -> None:
+    for message in run_ranks(_different_sizes, 2, backend="shm", timeout=60):
+        assert "symmetric allocation #0" in message and "same sizes in the same order" in message, message
+
+
 def _on_tcp(rank: int, world: int) -> str:
     with pytest.raises(RuntimeError) as info:
         torchdist.symmetric_memory.empty(4)

@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import torch
 
+from ..errors import DistBackendError
 from .shm_segment import Segment
 
 __all__ = ["SymmetricHeap", "Allocation"]
@@ -70,12 +71,17 @@ class SymmetricHeap:
         own = Segment.create(size, self.rank, self.label)
         segments: list[Segment] = []
         try:
-            self.store.set(f"symm/{index}/{self.rank}", own.path)
+            self.store.set(f"symm/{index}/{self.rank}", f"{nbytes} {own.path}")
             for peer in range(self.size):
                 if peer == self.rank:
                     segments.append(own)
                     continue
-                path = self.store.get(f"symm/{index}/{peer}").decode()
+                theirs, path = self.store.get(f"symm/{index}/{peer}").decode().split(" ", 1)
+                if int(theirs) != nbytes:
+                    raise DistBackendError(
+                        f"{self.label}: symmetric allocation #{index}: rank {self.names[self.rank]} asked for "
+                        f"{nbytes} bytes but rank {self.names[peer]} for {theirs}. Every rank must allocate "
+                        "the same sizes in the same order.")
                 segments.append(Segment.attach(path, size, self.label, self.names[peer]))
             self.store.barrier(f"symm/{index}/mapped", self.size, timedelta(seconds=self.timeout))
         except BaseException:
