@@ -229,6 +229,51 @@ def test_simulated_two_hosts_take_the_hierarchical_path() -> None:
             assert torch.equal(a, b)
 
 
+def _hierarchical_failure(rank: int, world: int, case: str) -> tuple[str, float]:
+    """Two simulated hosts {0, 1} and {2, 3}. ``dies``: rank 3 exits in the middle of an
+    all-reduce; ``mismatch``: rank 2 calls broadcast where the others all-reduce. The
+    survivors keep their processes alive afterwards, so nobody learns of the failure
+    from a closed connection alone."""
+    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
+    torch.set_num_threads(1)
+    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                               timeout=timedelta(seconds=60))
+    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=20), group_name="pg")
+    t = torch.ones(1 << 20)
+    backend.allreduce([t]).wait()  # everyone is connected and past setup
+    if case == "dies" and rank == 3:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        if case == "mismatch" and rank == 2:
+            backend.broadcast(t, 0).wait()
+        else:
+            backend.allreduce([t]).wait()
+    except DistBackendError as exc:
+        outcome = str(exc), time.monotonic() - start
+    else:
+        raise AssertionError(f"rank {rank}: the op succeeded")
+    time.sleep(3)  # stay alive while the others find out
+    return outcome
+
+
+@pytest.mark.parametrize("case", ["dies", "mismatch"])
+def test_hierarchical_failure_reaches_every_rank_within_seconds(case: str) -> None:
+    """A failure in one sub-group (shared memory in a host, TCP between hosts) breaks the
+    others too, so every rank raises promptly instead of at the group timeout (20 s)."""
+    outcomes = run_ranks(_hierarchical_failure, 4, args=(case,), timeout=90) if case == "mismatch" else None
+    if outcomes is None:
+        with pytest.raises(RanksFailed) as info:
+            run_ranks(_hierarchical_failure, 4, args=(case,), timeout=90, grace=30)
+        outcomes = [o.result for o in info.value.outcomes[:3]]
+    for rank, (message, elapsed) in enumerate(outcomes):
+        assert elapsed < 5, (rank, elapsed, message)
+        if case == "mismatch":
+            assert "BROADCAST" in message or "broadcast" in message, (rank, message)
+        else:
+            assert "rank 3" in message, (rank, message)
+
+
 def _shm_across_hosts(rank: int, world: int) -> str:
     os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank}"
     store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),

@@ -19,15 +19,30 @@ leaders, broadcast within the host, so only one rank per host puts bytes on the
 network. It runs as one op of the flat group (so it keeps its place in the
 group's order, async or not) whose body drives the two sub-groups. Every other
 op, point-to-point included, runs on the flat group.
+
+Errors reach every rank, as on the other backends:
+
+- *mismatches*: the sub-groups' fingerprints only cover what they see, so a
+  hierarchical all-reduce first sends its fingerprint to every flat peer (a
+  header, no payload, received at the end of the op). A rank that is in another
+  op at that sequence number gets it where it expects its own op's data, and
+  raises naming both ops;
+- *breaks*: the flat group breaking (its own error, or a sub-group's error
+  surfacing through the all-reduce's body) breaks the two sub-groups too, which
+  ABORTs their peers: a rank waiting in its host's broadcast, or a leader in
+  the leaders' all-reduce, hears of a failure anywhere within moments.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
 
+from ..._algorithms.comm import Comm
 from ..._store.prefix_store import PrefixStore
+from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.shm_segment import supported
 from ..backend import ProcessGroupBackend
 from ..reduce_op import RedOpType, ReduceOp, as_red_op
@@ -78,6 +93,14 @@ class HierarchicalBackend(ProcessGroupBackend):
         if rank in leaders:
             self.leaders = TcpBackend(PrefixStore("leaders/", store), host, len(distinct), timeout,
                                       f"{group_name}:leaders", [global_ranks[i] for i in leaders])
+        self.flat.on_break = self._break_subgroups
+
+    def _break_subgroups(self, error: BaseException) -> None:
+        """The flat group broke: so do the others (run on the flat group's driving thread,
+        the only one that drives the sub-groups: they only run inside its ops)."""
+        for backend in (self.local, self.leaders):
+            if backend is not None:
+                backend._break(error)
 
     @property
     def seq(self) -> int:
@@ -93,8 +116,11 @@ class HierarchicalBackend(ProcessGroupBackend):
             raise ValueError("ReduceOp.UNUSED is not a reduction")
         sub_op = ReduceOp.SUM if kind in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        fingerprint = OpFingerprint.of(OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED,
+                                       tensors[0].dtype, sum(t.numel() for t in tensors), -1, int(kind))
 
         def body(work, seq: int) -> None:
+            announced = self._announce(seq, fingerprint)
             flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
             if kind is RedOpType.PREMUL_SUM:
                 flat.mul_(factor)
@@ -109,7 +135,17 @@ class HierarchicalBackend(ProcessGroupBackend):
                 for t in tensors:
                     t.view(-1).copy_(flat[offset:offset + t.numel()])
                     offset += t.numel()
+            announced()
         return self.flat._issue_op("allreduce", tensors, True, body, nbytes)
+
+    def _announce(self, seq: int, fingerprint: OpFingerprint):
+        """Send this op's fingerprint to every flat peer and post the receives of theirs;
+        returns the wait for all of them (see the module docstring)."""
+        comm = Comm(self.flat._transport, seq, fingerprint, time.monotonic() + self.flat._seconds, None)
+        empty = torch.empty(0, dtype=torch.uint8)
+        peers = [peer for peer in range(self._size) if peer != self._rank]
+        transfers = [comm.recv(peer, empty) for peer in peers] + [comm.send(peer, empty) for peer in peers]
+        return lambda: comm.wait(*transfers)
 
     def shutdown(self) -> None:
         for backend in (self.flat, self.local, self.leaders):

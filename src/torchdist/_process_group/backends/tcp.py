@@ -105,6 +105,9 @@ class TcpBackend(ProcessGroupBackend):
         self._broken: BaseException | None = None
         self._p2p: list[_OpWork] = []  # posted P2P works not yet done (driver thread only)
         self._scratch = Scratch()  # reused by successive ops (one runs at a time)
+        #: Called once, on the driving thread, when the group breaks (a composite backend
+        #: breaks its other groups too, see ``auto.HierarchicalBackend``).
+        self.on_break: Callable[[BaseException], None] | None = None
 
     def _connect(self) -> Transport:
         sockets = connect_mesh(self.store, self._rank, self._size, self._seconds, self.global_ranks, self._label)
@@ -186,7 +189,8 @@ class TcpBackend(ProcessGroupBackend):
         return error
 
     def _break(self, error: BaseException) -> None:
-        if self._broken is None:
+        first = self._broken is None
+        if first:
             self._broken = error
             logger.warning("%s: %s", self._label, error)
         self._transport.fail(error)  # no-op if already broken; else ABORTs the peers
@@ -194,6 +198,8 @@ class TcpBackend(ProcessGroupBackend):
         for work in self._p2p:
             work._fail(error)
         self._p2p = []
+        if first and self.on_break is not None:
+            self.on_break(error)
 
     # -- collectives -------------------------------------------------------------------
     def _reduction(self, op: ReduceOp, dtype: torch.dtype):
