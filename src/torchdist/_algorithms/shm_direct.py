@@ -43,8 +43,9 @@ byte that is ``1 + 1/p`` reads for the reduction and ``2 (p-1)/p`` for the
 copies, against the pipeline's ``5 + 1/p`` passes. Broadcast: sync, the others
 copy the root's tensor, sync. All-gather into a symmetric output: sync, copy
 every peer's piece from its twin, sync. Reduce-scatter of a symmetric input:
-sync, fold chunk r of every twin into the output, sync. The (allocation, offset) code is part of
-the fingerprint (``aux``), so ranks that disagree about it raise.
+sync, fold chunk ``r`` of every twin into the output, sync. The (allocation,
+offset) code is part of the fingerprint (``aux``), so ranks that disagree about
+it raise.
 """
 
 from __future__ import annotations
