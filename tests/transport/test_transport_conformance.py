@@ -158,6 +158,21 @@ def test_mismatch_raises_on_every_rank(world) -> None:
         assert "BROADCAST" in str(exc) and "ALLREDUCE" in str(exc), exc
 
 
+def test_sending_to_a_rank_that_aborted_reports_its_reason(world) -> None:
+    """Rank 2 broke on a mismatch and hung up; rank 1 then exchanges with it: rank 1's
+    error is rank 2's reason (read before the hang-up), not a bare "rank 2 is gone"."""
+    ts = world(3)
+    allreduce = OpFingerprint.of(OpKind.ALLREDUCE, torch.float32, 4, 0)
+    broadcast = OpFingerprint.of(OpKind.BROADCAST, torch.float32, 4, 0)
+    receive = ts[1].irecv(2, MsgKind.COLL, 0, allreduce, byte_view(torch.zeros(4)))  # posted first
+    ts[0].isend(2, MsgKind.COLL, 0, allreduce, byte_view(torch.zeros(4)))
+    with pytest.raises(DistBackendError):
+        ts[2].wait([ts[2].irecv(0, MsgKind.COLL, 0, broadcast, byte_view(torch.zeros(4)))], _deadline(5))
+    with pytest.raises(DistBackendError) as info:
+        ts[1].wait([receive, ts[1].isend(2, MsgKind.COLL, 0, allreduce, byte_view(torch.zeros(4)))], _deadline(5))
+    assert "BROADCAST" in str(info.value) and "ALLREDUCE" in str(info.value), info.value
+
+
 def test_timeout_names_the_silent_peer_and_does_not_break(world) -> None:
     ts = world(2)
     buf = torch.zeros(1)

@@ -97,7 +97,11 @@ class LoopbackTransport(Transport):
             transfer = Transfer(True, kind, peer, seq, fingerprint, tag, payload)
             receiver = self.fabric.transports[peer]
             if receiver.hung_up:
-                self._fail_locked(DistBackendError(f"{self.fabric.label}: rank {peer} is gone"), True)
+                # Like a half-closed TCP peer: what it sent before hanging up (an ABORT
+                # with its reason) is read first, and names the cause better than we can.
+                self._pump(peer)
+                if self._error is None:
+                    self._fail_locked(DistBackendError(f"{self.fabric.label}: rank {peer} is gone"), True)
                 raise self._error
             receiver.inbox[self.rank].append(transfer)
             self._sent.append(transfer)
