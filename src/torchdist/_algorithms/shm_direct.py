@@ -95,8 +95,10 @@ def _twins(comm: Comm, start: int, nbytes: int, dtype: torch.dtype) -> tuple[lis
     """Every rank's twin of the ``nbytes`` at address ``start`` if they are symmetric
     memory and worth the direct path (more than ``SMALL_BYTES``), and their
     fingerprint code (0: ordinary)."""
+    if nbytes <= SMALL_BYTES:  # first: every small collective passes here
+        return None, 0
     heap = getattr(comm.transport, "heap", None)
-    found = heap.find(start, nbytes) if heap is not None and nbytes > SMALL_BYTES else None
+    found = heap.find(start, nbytes) if heap is not None else None
     if found is None:
         return None, 0
     allocation, offset = found
