@@ -81,6 +81,22 @@ def test_work_lifecycle_and_future():
     assert work.result()[0] is out
 
 
+def test_completed_work_has_every_attribute_of_work_and_shares_nothing_mutable():
+    """Work.completed() keeps its state in the class (see work._CompletedWork): it must
+    answer every attribute Work() sets, or a change to Work would break it silently."""
+    out = torch.ones(2)
+    fast, slow = Work.completed("all_reduce", [out]), Work("all_reduce", [out])
+    for name in vars(slow):
+        getattr(fast, name)
+    assert fast.wait() and fast.is_completed() and fast.is_success() and fast.exception() is None
+    assert fast.result()[0] is out and fast.get_future().wait()[0] is out
+    other = Work.completed("broadcast")
+    assert other.result() == [] and other.get_future() is not fast.get_future()
+    seen = []
+    fast._on_done(seen.append)
+    assert seen == [fast]
+
+
 def test_work_failure_is_reraised_everywhere():
     work = Work("broadcast")
     error = dist.DistBackendError("peer died")
