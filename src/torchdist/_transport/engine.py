@@ -20,7 +20,7 @@ States of the engine::
     idle ──submit──▶ queued ──run by caller or worker──▶ busy ──queue empty──▶ idle
       └──────────────────────────── close() ─────────────────────────▶ closed
 
-Lock: ``_cv`` guards ``_queue``, ``_busy`` and ``_closed``; it is never held while
+Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``; it is never held while
 an op runs or the transport is driven.
 """
 
@@ -64,7 +64,10 @@ class Engine:
         self.transport = transport
         self.name = name
         self._idle_step = idle_step or (lambda: transport.progress(_IDLE_POLL_S))
-        self._cv = threading.Condition()
+        # ``_cv``'s lock, also taken bare where nobody waits or is notified: entering a
+        # Condition runs Python code, a bare lock does not (take/release cost 0.8 us that way).
+        self._mutex = threading.Lock()
+        self._cv = threading.Condition(self._mutex)
         self._queue: deque[EngineOp] = deque()
         self._busy = False
         self._closed = False
@@ -120,19 +123,26 @@ class Engine:
                 if head is op:
                     return True
         finally:
-            self._release()
+            self.release()
 
-    def drive(self, until: Callable[[], bool], step: Callable[[], None]) -> bool:
-        """Take the transport and call ``step()`` until ``until()``; False if busy."""
-        with self._cv:
+    def take(self) -> bool:
+        """Take the transport for this thread if the engine is idle (nothing queued,
+        nobody driving); False if not. Every True is paired with ``release()``."""
+        with self._mutex:
             if self._busy or self._queue:
                 return False
             self._busy = True
+            return True
+
+    def drive(self, until: Callable[[], bool], step: Callable[[], None]) -> bool:
+        """Take the transport and call ``step()`` until ``until()``; False if busy."""
+        if not self.take():
+            return False
         try:
             while not until():
                 step()
         finally:
-            self._release()
+            self.release()
         return True
 
     def _execute(self, op: EngineOp) -> None:
@@ -145,10 +155,11 @@ class Engine:
         try:
             self._execute(op)
         finally:
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
-        with self._cv:
+    def release(self) -> None:
+        """Give the transport back (after ``take`` or a run); the worker takes over leftovers."""
+        with self._mutex:
             self._busy = False
             if (self._queue or self._pending()) and not self._closed:
                 self._wake_worker()  # leftovers (async ops, pending transfers): the worker takes over
@@ -172,7 +183,7 @@ class Engine:
             except BaseException:  # noqa: BLE001 - errors surface through the transfers
                 logger.debug("%s: progress failed", self.name, exc_info=True)
             finally:
-                self._release()
+                self.release()
 
     def _pending(self) -> bool:
         return self.transport.error is None and self.transport.pending()

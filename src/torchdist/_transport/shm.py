@@ -110,6 +110,13 @@ class ShmTransport(Transport):
             self._in[peer] = _In(board, peer)
         self._wake: set[int] = set()
         self.steps.pump = self._pump
+        # pending() is asked after every collective; these let it answer "no" without
+        # looking at every queue while no transfer was posted or started streaming in
+        # since it last found none. Bumped by the driving thread *after* it queues, so
+        # a pending() on another thread that reads the old count sees the queue or
+        # records the old count (and the next call looks again).
+        self._activity = 0
+        self._quiet_at = -1
 
     def _pump(self) -> None:
         if self._error is None and self.pending():
@@ -132,6 +139,7 @@ class ShmTransport(Transport):
         transfer = Transfer(True, kind, peer, seq, fingerprint, tag, payload)
         out = self._out[peer]
         out.sendq.append(transfer)
+        self._activity += 1
         if len(out.sendq) == 1:
             self._push(out)
             self._ring_bells()
@@ -144,6 +152,7 @@ class ShmTransport(Transport):
             raise self._error
         transfer = Transfer(False, kind, peer, seq, fingerprint, tag, payload, on_data)
         early = self._matcher.post(transfer)
+        self._activity += 1
         if early is not None:
             header, data = early
             try:
@@ -237,11 +246,16 @@ class ShmTransport(Transport):
     def pending(self) -> bool:
         """Posted receives, sends not yet in the ring, or a message half read (its
         receive is matched, so no longer "posted", but its bytes still stream in)."""
+        activity = self._activity  # read before looking (see __init__)
+        if activity == self._quiet_at:
+            return False
         matcher = self._matcher
-        if not matcher.p2p_posted and not any(matcher.coll_posted):
-            return (any(o is not None and o.sendq for o in self._out)
-                    or any(c is not None and c.target is not None for c in self._in))
-        return True
+        busy = (bool(matcher.p2p_posted) or any(matcher.coll_posted)
+                or any(o is not None and o.sendq for o in self._out)
+                or any(c is not None and c.target is not None for c in self._in))
+        if not busy:
+            self._quiet_at = activity
+        return busy
 
     # -- sending -----------------------------------------------------------------------
     def _push(self, out: _Out) -> bool:
@@ -336,6 +350,7 @@ class ShmTransport(Transport):
                 self.fail(exc)
                 return
         channel.target, channel.got = target, 0
+        self._activity += 1
         if target.nbytes == 0:
             self._advance(channel, 0)
 
