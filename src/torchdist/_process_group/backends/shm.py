@@ -17,7 +17,6 @@ naming the hosts instead of a hang.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -57,6 +56,10 @@ class ShmBackend(TcpBackend):
     name = "shm"
     _algorithms = shm_direct
 
+    def __init__(self, *args, **kwargs) -> None:
+        self._plans: dict[tuple, tuple | None] = {}  # all-reduce plans by (op, dtype, numel)
+        super().__init__(*args, **kwargs)
+
     def _connect(self) -> Transport:
         why = supported()
         if why is not None:
@@ -85,7 +88,7 @@ class ShmBackend(TcpBackend):
     # VM: a 256 KiB all-reduce took 226 us that way, 40 us inline) and buys overlap
     # with compute that competes for the same cores. So when the engine is idle (no
     # queued op, no pending transfer) a collective runs right here, holding the
-    # engine (``Engine.drive``) so nothing else drives the transport, and returns an
+    # engine (``Engine.take``) so nothing else drives the transport, and returns an
     # already completed (or failed) Work, even with ``async_op=True``. Ops still run
     # in issue order: the engine runs queued ops in that order anyway, so this adds
     # no wait that the engine would not have.
@@ -99,7 +102,8 @@ class ShmBackend(TcpBackend):
         return super()._collective(op_name, outputs, fingerprint, run)
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
-        """A single-tensor all-reduce (not PREMUL_SUM) skips the reduce-op translation (cached)."""
+        """A single-tensor all-reduce (not PREMUL_SUM) runs from a cached plan: its
+        reduce-op translation and fingerprint cost more than a small op's data."""
         if len(tensors) == 1 and self._broken is None:
             tensor = tensors[0]
             key = (op, tensor.dtype, tensor.numel())
@@ -109,65 +113,34 @@ class ShmBackend(TcpBackend):
                 fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, tensor.dtype, tensor.numel(), -1, code)
                 finish = self._averager(self._size) if average else None
                 plan = (fingerprint, combine, finish) if premul is None else None
-                self._remember(key, plan)
+                if len(self._plans) > 256:
+                    self._plans.clear()
+                self._plans[key] = plan
             if plan is not None:
                 fingerprint, combine, finish = plan
-                flat = tensor.view(-1)
-                work = self._inline("allreduce", tensors, fingerprint,
-                                    lambda comm: shm_direct.allreduce(comm, flat, combine, finish))
+                flat = tensor if tensor.dim() == 1 else tensor.view(-1)  # view() costs ~1 us
+                work = self._inline("allreduce", tensors, fingerprint, shm_direct.allreduce, flat, combine, finish)
                 if work is not None:
                     return work
         return super().allreduce(tensors, op)
 
-    def _remember(self, key: tuple, plan) -> None:
-        if len(self._plans) > 256:
-            self._plans.clear()
-        self._plans[key] = plan
-
-    @property
-    def _plans(self) -> dict:
-        plans = self.__dict__.get("_plan_cache")
-        if plans is None:
-            plans = self.__dict__["_plan_cache"] = {}
-        return plans
-
     def _inline(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                run: Callable[[Comm], None]) -> Work | None:
-        """Run a collective now on this thread if the engine is idle; None if it is not."""
-        outcome: list = []
-
-        def step() -> None:
-            try:
-                run(Comm(self._transport, seq, fingerprint, time.monotonic() + self._seconds, self._scratch))
-            except BaseException as exc:  # noqa: BLE001 - becomes the Work's error below
-                outcome.append(exc)
-            else:
-                outcome.append(None)
-
+                run: Callable[..., None], *args) -> Work | None:
+        """``run(comm, *args)`` now on this thread if the engine is idle; None if it is not."""
+        error = None
         with self._issue:  # the sequence number and the engine are taken together
-            seq = self.seq
-            if not self._engine.drive(lambda: bool(outcome), step):
+            if not self._engine.take():
                 return None  # queued ops or pending transfers: take the ordinary path
+            seq = self.seq
             self.seq = seq + 1
-        if outcome[0] is None:
-            return _completed(op_name, outputs)
+            try:
+                run(Comm(self._transport, seq, fingerprint, time.monotonic() + self._seconds, self._scratch), *args)
+            except BaseException as exc:  # noqa: BLE001 - becomes the Work's error below
+                error = exc
+            finally:
+                self._engine.release()
+        if error is None:
+            return Work.completed(op_name, outputs)
         work = Work(op_name, outputs)
-        work._fail(self._failure(outcome[0], op_name, seq))
+        work._fail(self._failure(error, op_name, seq))
         return work
-
-
-_DONE = threading.Event()
-_DONE.set()
-_DONE_LOCK = threading.Lock()
-
-
-def _completed(op_name: str, outputs: list[torch.Tensor]) -> Work:
-    """A Work born COMPLETED, sharing one set Event and one lock with all its kind.
-
-    ``Work()`` costs ~6 us (an Event, a Lock, the completion under the lock), a third
-    of a small shared-memory all-reduce. A completed Work never waits and holds its
-    lock only to read its state, so sharing both is safe."""
-    work = Work.__new__(Work)
-    work.__dict__.update(op_name=op_name, _outputs=outputs, _state=WorkState.COMPLETED, _exception=None,
-                         _source_rank=-1, _done=_DONE, _lock=_DONE_LOCK, _future=None, _callbacks=[])
-    return work
