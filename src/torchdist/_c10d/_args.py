@@ -61,7 +61,7 @@ def group_root(
 def check_tensor(op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # not tensor.device.type: that builds a device object (~0.3 us)
         raise ValueError(f"{op}: {name} is on {tensor.device}; torchdist's CPU backends take CPU tensors")
     if tensor.is_sparse:
         raise ValueError(f"{op}: sparse tensors are not supported; pass tensor.to_dense()")

@@ -46,6 +46,8 @@ _BITWISE = frozenset({RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
 
 
 def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
+    if op is RedOpType.SUM or op is RedOpType.AVG:  # defined for every dtype
+        return op
     kind, _ = as_red_op(op)
     if kind in _BITWISE:
         if any(t.is_floating_point() for t in tensors):
