@@ -4,8 +4,10 @@ Each rank owns one segment (``shm_segment.Segment``) and maps all the others. A
 segment is laid out in 64-byte lines, so that words written by different ranks
 never share a cache line::
 
-    line  0      step       collective steps this rank has published (see shm_steps);
-                            negative (-1 - step) once the rank's group broke
+    line  0      step       word 0: collective steps this rank has published (see
+                            shm_steps); negative (-1 - step) once the rank's group broke.
+                            Words 1-2: a digest of the op's fingerprint, per step parity,
+                            read with the step in one cache line
     line  1      sleeping   1 while the rank blocks on its doorbell
     lines 2-3    op         the fingerprint of its current collective, one line per
                             step parity: seq, op, dtype, numel, root, redop, aux
@@ -46,13 +48,14 @@ from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout
 from .shm_segment import Doorbell, Segment, clean_stale_segments, fence
 
-__all__ = ["Board", "Layout", "STEP", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
+__all__ = ["Board", "Layout", "STEP", "DIGEST", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
 
 logger = logging.getLogger(__name__)
 
 LINE = 64
 _Q = LINE // 8  # int64 words per line
 STEP, SLEEP, FP_LINE, BELL_LINE, REASON_LINE, RING_LINE = 0, 1, 2, 4, 5, 16
+DIGEST = 1  # word of line 0 (STEP's) holding the fingerprint digest of parity 0; parity 1 at DIGEST + 1
 _REASON_BYTES = 8 * LINE
 #: seq, op, dtype, numel, root, redop, aux: one line per step parity.
 FP = struct.Struct("<qqqqqqq")

@@ -19,9 +19,13 @@ more than one step ahead of any other, and a small collective costs exactly one
 synchronization (the prototype measured 4-6 us per op at world 2 this way).
 
 The first step of every collective also carries the op's fingerprint (seq, op
-kind, dtype, element count, root, reduce op) in the line of its parity; after
-the first wait every rank compares everyone's, so ranks that disagree about the
-op raise on every rank, naming both ops, before any data is read.
+kind, dtype, element count, root, reduce op) in the line of its parity, and a
+64-bit digest of it next to the step counter; after the first wait every rank
+compares everyone's digest (the poll just brought that line into its cache, so
+this costs no memory traffic: at world 4 reading three fingerprint lines cost
+more than the op's data), and on a difference reads the fingerprints, so ranks
+that disagree about the op raise on every rank, naming both ops, before any
+data is read.
 
 Regions per rank: ``IN`` (two sets) and ``OUT`` (two sets), ``chunk`` bytes each;
 what an algorithm puts where is its business (``_algorithms/shm_direct.py``).
@@ -37,7 +41,7 @@ import torch
 
 from ..errors import DistBackendError
 from .framing import OpFingerprint
-from .shm_board import FP, FP_LINE, LINE, STEP, Board
+from .shm_board import DIGEST, FP, FP_LINE, LINE, STEP, Board
 from .shm_heap import SymmetricHeap
 
 __all__ = ["Steps", "IN", "OUT"]
@@ -65,7 +69,7 @@ class Steps:
         self.chunk = board.layout.chunk
         self.step = 0  # the last step this rank published
         self._peer_ctl = [(j, board.ctl[j]) for j in board.peers]
-        self._check: tuple | None = None  # (seq, fingerprint) to compare after the next wait
+        self._check: tuple | None = None  # (record, digest) to compare after the next wait
         self._views: dict[tuple, torch.Tensor] = {}
         self._budget_max = _BUDGET_MAX_OVERSUBSCRIBED if board.oversubscribed else _BUDGET_MAX
         self._budget = self._budget_max
@@ -80,7 +84,11 @@ class Steps:
         g = self.step + 1
         record = (seq, *fingerprint, aux)
         FP.pack_into(self.board.segments[self.rank].buf, (FP_LINE + g % 2) * LINE, *record)
-        self._check = record
+        # hash() of a tuple of ints is the same in every process (only str/bytes hashes
+        # are salted), and a signed 64-bit word, as the board's words are.
+        digest = hash(record)
+        self.board.me[DIGEST + g % 2] = digest
+        self._check = (record, digest)
 
     def sync(self, deadline: float | None) -> None:
         """Publish the next step and wait until every rank has published it."""
@@ -95,8 +103,11 @@ class Steps:
             if self._lagging(g) is not None:
                 self._wait(g, deadline)
         if self._check is not None:
-            record, self._check = self._check, None
-            self._compare(g, record)
+            (record, digest), self._check = self._check, None
+            word = DIGEST + g % 2
+            for j, ctl in self._peer_ctl:
+                if ctl[word] != digest:
+                    self._compare(g, record)
 
     def _lagging(self, g: int) -> int | None:
         for j, ctl in self._peer_ctl:
@@ -178,6 +189,7 @@ class Steps:
             self._budget = _BUDGET_MIN
 
     def _compare(self, g: int, mine: tuple) -> None:
+        """Raise on the first peer whose fingerprint for step ``g`` differs from ``mine``."""
         board = self.board
         offset = (FP_LINE + g % 2) * LINE
         for j in board.peers:
