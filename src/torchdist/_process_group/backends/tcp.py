@@ -105,6 +105,7 @@ class TcpBackend(ProcessGroupBackend):
         self._broken: BaseException | None = None
         self._p2p: list[_OpWork] = []  # posted P2P works not yet done (driver thread only)
         self._scratch = Scratch()  # reused by successive ops (one runs at a time)
+        self._reductions: dict[tuple, tuple] = {}  # _reduction's answers by (op, dtype)
         #: Called once, on the driving thread, when the group breaks (a composite backend
         #: breaks its other groups too, see ``auto.HierarchicalBackend``).
         self.on_break: Callable[[BaseException], None] | None = None
@@ -203,7 +204,17 @@ class TcpBackend(ProcessGroupBackend):
 
     # -- collectives -------------------------------------------------------------------
     def _reduction(self, op: ReduceOp, dtype: torch.dtype):
-        """(fingerprint code, combiner, pre-scale factor or None, divide-by-size?)."""
+        """(fingerprint code, combiner, pre-scale factor or None, divide-by-size?), cached:
+        working it out costs a few microseconds, a fifth of a small shared-memory op."""
+        key = (op, dtype)
+        found = self._reductions.get(key)
+        if found is None:
+            if len(self._reductions) > 256:  # PREMUL_SUM factors could make keys without end
+                self._reductions.clear()
+            found = self._reductions[key] = self._work_out_reduction(op, dtype)
+        return found
+
+    def _work_out_reduction(self, op: ReduceOp, dtype: torch.dtype):
         kind, factor = as_red_op(op)
         if kind in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM):
             name = "SUM"
@@ -278,12 +289,8 @@ class TcpBackend(ProcessGroupBackend):
     def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         fingerprint = OpFingerprint.of(OpKind.ALLGATHER_INTO_TENSOR, input.dtype, output.numel())
 
-        def run(comm: Comm) -> None:
-            flat, n = output.view(-1), input.numel()
-            pieces = [flat[i * n:(i + 1) * n] for i in range(comm.size)]
-            pieces[comm.rank].copy_(input.view(-1))
-            self._algorithms.allgather(comm, pieces)
-        return self._collective("allgather_into_tensor", [output], fingerprint, run)
+        return self._collective("allgather_into_tensor", [output], fingerprint,
+                                lambda comm: self._algorithms.allgather_into(comm, output.view(-1), input.view(-1)))
 
     def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.GATHER, input.dtype, input.numel(), root)
