@@ -79,6 +79,18 @@ def test_every_op_matches_torch(backend: str, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_every_op_with_regions_smaller_than_a_small_op(world: int) -> None:
+    """With 4 KiB regions (TORCHDIST_SHM_CHUNK) ops below SMALL_BYTES that do not fit one
+    region take the chunked paths: sizes around the region's edge, for every op."""
+    results = run_ranks(_on, world, args=("shm", "_every_op", [torch.float32], [1000, 1024, 1100, 3000]),
+                        env={"TORCHDIST_SHM_CHUNK": "4096"}, timeout=120)
+    for digests, seq in results:
+        assert seq == results[0][1]
+        for a, b in zip(digests, results[0][0]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_large_tensors_are_bit_identical(world: int) -> None:
     results = run_ranks(_on, world, args=("shm", "_large"), timeout=120)
     assert all(torch.equal(r, results[0]) for r in results)

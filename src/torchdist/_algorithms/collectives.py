@@ -16,7 +16,7 @@ from .reduction import Combine, Finish
 from .select import (CHAIN_SEGMENT, Algo, allgather_algo, allreduce_algo, alltoall_pairwise,
                      broadcast_algo, reduce_algo, reduce_scatter_algo)
 
-__all__ = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall",
+__all__ = ["allreduce", "broadcast", "reduce", "allgather", "allgather_into", "reduce_scatter", "alltoall",
            "gather", "scatter", "barrier"]
 
 
@@ -72,6 +72,14 @@ def allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
         ring.ring_allgather(comm, pieces, owned=0)
     else:
         direct.direct_allgather(comm, pieces)
+
+
+def allgather_into(comm: Comm, output: torch.Tensor, input: torch.Tensor) -> None:
+    """All-gather into one flat ``output``: rank j's ``input`` lands at ``j * input.numel()``."""
+    n = input.numel()
+    pieces = [output[i * n:(i + 1) * n] for i in range(comm.size)]
+    pieces[comm.rank].copy_(input)
+    allgather(comm, pieces)
 
 
 def reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combine, output: torch.Tensor) -> None:

@@ -31,6 +31,11 @@ region sets, fingerprints compared at the first step) is described in
 - ``reduce_scatter`` / ``scatter``: the region is cut in p sub-slots of ``c / p``
   bytes, one per destination; rank ``d`` folds (copies) sub-slot ``d`` of every
   rank (of the root).
+- Every one of these, *small* (all a rank writes fits ``SMALL_BYTES``): one step,
+  over views of the regions cached per size (``Steps.slots``), because at a few
+  bytes slicing tensors costs more than moving them: a rank's whole contribution
+  goes in with one call (``torch.cat`` for a list), and all-gather into one
+  tensor comes out with one ``torch.cat``.
 - ``alltoall``: one empty step (fingerprints), then the transport's messages.
 - ``barrier``: one empty step.
 
@@ -58,7 +63,7 @@ from . import collectives
 from .comm import Comm, chunk_bounds
 from .reduction import Combine, Finish, combiner
 
-__all__ = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall",
+__all__ = ["allreduce", "broadcast", "reduce", "allgather", "allgather_into", "reduce_scatter", "alltoall",
            "gather", "scatter", "barrier", "SMALL_BYTES"]
 
 #: Up to this many bytes all-reduce folds every rank's whole tensor after one step;
@@ -85,6 +90,11 @@ def _fold(out: torch.Tensor, parts: list[torch.Tensor], combine: Combine) -> Non
         rest = parts[1:]
     for part in rest:
         combine(out, part)
+
+
+def _small(steps, nbytes: int) -> bool:
+    """Whether ``nbytes`` per rank go through the IN regions in one step."""
+    return nbytes <= SMALL_BYTES and nbytes <= steps.chunk
 
 
 def _count(numel: int, per: int) -> int:
@@ -153,7 +163,7 @@ def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int |
         if finish is not None:
             finish(flat)
         return
-    if n * flat.element_size() <= SMALL_BYTES:
+    if _small(steps, n * flat.element_size()):
         slots = steps.slots(dtype, n)
         slots[(steps.step + 1) % 2][r].copy_(flat)
         steps.sync(comm.deadline)
@@ -239,6 +249,15 @@ def broadcast(comm: Comm, flat: torch.Tensor, root: int) -> None:
             flat.copy_(twins[root])
         steps.sync(comm.deadline)  # the root may change its tensor again
         return
+    if _small(steps, n * flat.element_size()):
+        slots = steps.slots(dtype, n)
+        steps.begin(comm.seq, comm.fingerprint)
+        if r == root:
+            slots[(steps.step + 1) % 2][r].copy_(flat)
+        steps.sync(comm.deadline)
+        if r != root:
+            flat.copy_(slots[steps.step % 2][root])
+        return
     per = steps.chunk // flat.element_size()
     count = _count(n, per)
     steps.begin(comm.seq, comm.fingerprint)
@@ -270,11 +289,25 @@ def allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
     steps.sync(comm.deadline)  # nobody reads my piece any more
 
 
+def allgather_into(comm: Comm, output: torch.Tensor, input: torch.Tensor) -> None:
+    steps = _steps(comm)
+    n = input.numel()
+    if steps is None or not _small(steps, n * input.element_size()):
+        return collectives.allgather_into(comm, output, input)  # slices, then allgather() above
+    slots = steps.slots(input.dtype, n)
+    steps.begin(comm.seq, comm.fingerprint)
+    slots[(steps.step + 1) % 2][comm.rank].copy_(input)
+    steps.sync(comm.deadline)
+    torch.cat(slots[steps.step % 2], out=output)
+
+
 def _block_twins(comm: Comm, pieces: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, int]:
     """For one per rank equal ``pieces`` back to back in symmetric memory (an all-gather's
     output, a reduce-scatter's input): every rank's twin of the whole block, and its code."""
     first, n = pieces[0], pieces[0].numel()
     esize = first.element_size()
+    if len(pieces) * n * esize <= SMALL_BYTES:  # first: _twins would say no anyway
+        return None, 0
     if any(piece.numel() != n or piece.data_ptr() != first.data_ptr() + j * n * esize
            for j, piece in enumerate(pieces)):
         return None, 0
@@ -293,10 +326,22 @@ def gather(comm: Comm, outputs: list[torch.Tensor] | None, input: torch.Tensor, 
 
 
 def _gather(steps, comm: Comm, pieces: list[torch.Tensor], mine: torch.Tensor, root: int | None) -> None:
+    """All-gather pieces may differ in size (every rank has the same list); a gather's
+    have the input's size (the API checks), so every rank sees the same largest."""
     p, r, dtype = comm.size, comm.rank, mine.dtype
+    reader = root is None or root == r
+    if _small(steps, max(piece.numel() for piece in pieces) * mine.element_size()):
+        steps.begin(comm.seq, comm.fingerprint)
+        steps.slots(dtype, mine.numel())[(steps.step + 1) % 2][r].copy_(mine)
+        steps.sync(comm.deadline)
+        if reader:
+            parity = steps.step % 2
+            for j, piece in enumerate(pieces):
+                if j != r:
+                    piece.copy_(steps.slots(dtype, piece.numel())[parity][j])
+        return
     per = steps.chunk // max(mine.element_size(), 1)
     count = max(_count(piece.numel(), per) for piece in pieces)
-    reader = root is None or root == r
     steps.begin(comm.seq, comm.fingerprint)
     for s in range(count + 1):
         if s >= 1 and reader:
@@ -346,9 +391,22 @@ def _scatter(steps, comm: Comm, sources: list[torch.Tensor] | None, output: torc
     # non-roots; all ranks take the step count from the largest piece they can see,
     # which for scatter is equal (the API checks equal sizes) and for reduce-scatter
     # is the same list on every rank.
+    writer = root is None or root == r
+    # One step if small and every piece has the output's size (for scatter the API checks
+    # that the root's do; a reduce-scatter's list is the same on every rank).
+    if _small(steps, p * n * esize) and (sources is None or all(t.numel() == n for t in sources)):
+        steps.begin(comm.seq, comm.fingerprint)
+        if writer:
+            torch.cat(sources, out=steps.slots(dtype, p * n)[(steps.step + 1) % 2][r])
+        steps.sync(comm.deadline)
+        theirs = steps.slots(dtype, n, r * n)[steps.step % 2]
+        if root is None:
+            _fold(output, theirs, combine)
+        else:
+            output.copy_(theirs[root])
+        return
     sizes = [t.numel() for t in sources] if sources is not None else [n] * p
     count = max(_count(size, per) for size in sizes)
-    writer = root is None or root == r
     steps.begin(comm.seq, comm.fingerprint)
     for s in range(count + 1):
         if s >= 1:

@@ -224,17 +224,20 @@ class Steps:
             self._views[key] = view
         return view
 
-    def slots(self, dtype: torch.dtype, numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every rank's IN region cut to ``numel`` elements, per parity: ``slots[parity][rank]``.
+    def slots(self, dtype: torch.dtype, numel: int, offset: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every rank's IN region, elements ``offset`` to ``offset + numel``, per parity:
+        ``slots[parity][rank]``.
 
-        Cached per (dtype, numel): slicing a tensor costs ~1-2 us, more than the data
-        movement of a small collective."""
-        key = (dtype, numel)
+        Cached per (dtype, numel, offset): slicing a tensor costs ~1 us, more than the
+        data movement of a small collective."""
+        key = (dtype, numel, offset)
         views = self._views.get(key)
         if views is None:
+            if (offset + numel) * torch.empty(0, dtype=dtype).element_size() > self.chunk:
+                raise ValueError(f"{numel} elements at {offset} of {dtype} do not fit a {self.chunk}-byte region")
             if len(self._views) > 512:
                 self._views.clear()
-            views = tuple([self._region(j, IN + parity, dtype)[:numel] for j in range(self.size)]
+            views = tuple([self._region(j, IN + parity, dtype)[offset:offset + numel] for j in range(self.size)]
                           for parity in (0, 1))
             self._views[key] = views
         return views
