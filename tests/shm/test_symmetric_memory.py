@@ -80,17 +80,25 @@ def test_collectives_on_symmetric_tensors_match_torch_bit_for_bit(world: int) ->
     assert _ours() <= before
 
 
-def _mixed(rank: int, world: int) -> tuple[str, float]:
-    buf = torchdist.symmetric_memory.empty(N)
-    tensor = buf if rank == 0 else torch.zeros(N)
+def _mixed(rank: int, world: int, op: str) -> tuple[str, float]:
+    """Rank 0's tensor in symmetric memory, rank 1's an ordinary one (allocating is collective)."""
+    def tensor(*shape: int) -> torch.Tensor:
+        symmetric = torchdist.symmetric_memory.empty(*shape)
+        return symmetric if rank == 0 else torch.zeros(*shape)
+    run = {"all_reduce": lambda: torchdist.all_reduce(tensor(N)),
+           "broadcast": lambda: torchdist.broadcast(tensor(N), src=0),
+           "all_gather_single": lambda: torchdist.all_gather_single(tensor(world * N), torch.zeros(N)),
+           "reduce_scatter_single": lambda: torchdist.reduce_scatter_single(torch.zeros(N), tensor(world * N))}[op]
     start = time.monotonic()
     with pytest.raises(DistBackendError) as info:
-        torchdist.all_reduce(tensor)
+        run()
     return str(info.value), time.monotonic() - start
 
 
-def test_a_rank_passing_an_ordinary_tensor_raises_on_every_rank() -> None:
-    for message, elapsed in run_ranks(_mixed, 2, backend="shm", timeout=60):
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single"])
+def test_a_rank_passing_an_ordinary_tensor_raises_on_every_rank(op: str) -> None:
+    """Also shows that each op takes the symmetric path: the ordinary one would not notice."""
+    for message, elapsed in run_ranks(_mixed, 2, args=(op,), backend="shm", timeout=60):
         assert elapsed < 5, message
         assert "mismatch" in message and "symmetric allocation #0" in message and "an ordinary tensor" in message
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import direct, halving_doubling, recursive, ring, tree
-from .comm import Comm
+from .comm import Comm, gather_pieces
 from .reduction import Combine, Finish
 from .select import (CHAIN_SEGMENT, Algo, allgather_algo, allreduce_algo, alltoall_pairwise,
                      broadcast_algo, reduce_algo, reduce_scatter_algo)
@@ -76,10 +76,7 @@ def allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
 
 def allgather_into(comm: Comm, output: torch.Tensor, input: torch.Tensor) -> None:
     """All-gather into one flat ``output``: rank j's ``input`` lands at ``j * input.numel()``."""
-    n = input.numel()
-    pieces = [output[i * n:(i + 1) * n] for i in range(comm.size)]
-    pieces[comm.rank].copy_(input)
-    allgather(comm, pieces)
+    allgather(comm, gather_pieces(output, input, comm.size, comm.rank))
 
 
 def reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combine, output: torch.Tensor) -> None:

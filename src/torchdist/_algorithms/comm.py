@@ -6,7 +6,8 @@ fingerprint, every receive it posts expects them. Algorithms post the sends and
 receives of a step, then ``wait`` for them together; the transport progresses
 all of them at once, which is what makes "send right, receive left" safe.
 
-Also here: zero-copy byte views of tensors and the chunking of a flat buffer.
+Also here: zero-copy byte views of tensors and the chunking of a flat buffer
+(``chunk_bounds``, ``gather_pieces``).
 
 Cost model used in the algorithm docstrings (Hockney's alpha-beta): sending
 ``n`` bytes costs ``alpha + n * beta``; ``gamma`` is the per-byte reduction cost;
@@ -23,7 +24,7 @@ import torch
 from .._transport.base import EMPTY, Transfer, Transport
 from .._transport.framing import MsgKind, OpFingerprint
 
-__all__ = ["Comm", "Scratch", "byte_view", "chunk_bounds"]
+__all__ = ["Comm", "Scratch", "byte_view", "chunk_bounds", "gather_pieces"]
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -56,6 +57,15 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def gather_pieces(output: torch.Tensor, input: torch.Tensor, size: int, rank: int) -> list[torch.Tensor]:
+    """An all-gather into one flat ``output`` as the per-rank pieces of ``allgather``:
+    rank j's piece at ``j * input.numel()``, this rank's filled with ``input``."""
+    n = input.numel()
+    pieces = [output[j * n:(j + 1) * n] for j in range(size)]
+    pieces[rank].copy_(input)
+    return pieces
 
 
 class Scratch:

@@ -60,7 +60,7 @@ import os
 import torch
 
 from . import collectives
-from .comm import Comm, chunk_bounds
+from .comm import Comm, chunk_bounds, gather_pieces
 from .reduction import Combine, Finish, combiner
 
 __all__ = ["allreduce", "broadcast", "reduce", "allgather", "allgather_into", "reduce_scatter", "alltoall",
@@ -293,7 +293,7 @@ def allgather_into(comm: Comm, output: torch.Tensor, input: torch.Tensor) -> Non
     steps = _steps(comm)
     n = input.numel()
     if steps is None or not _small(steps, n * input.element_size()):
-        return collectives.allgather_into(comm, output, input)  # slices, then allgather() above
+        return allgather(comm, gather_pieces(output, input, comm.size, comm.rank))
     slots = steps.slots(input.dtype, n)
     steps.begin(comm.seq, comm.fingerprint)
     slots[(steps.step + 1) % 2][comm.rank].copy_(input)
