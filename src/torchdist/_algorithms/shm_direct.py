@@ -385,12 +385,7 @@ def _scatter(steps, comm: Comm, sources: list[torch.Tensor] | None, output: torc
     """Reduce-scatter (``root`` None: fold sub-slot r of everyone) or scatter (copy the root's)."""
     p, r, dtype = comm.size, comm.rank, output.dtype
     esize = max(output.element_size(), 1)
-    per = max((steps.chunk // p) // 64 * 64 // esize, 1)  # elements per destination per step
     n = output.numel()
-    # Every rank knows every destination's size from its own list, except scatter's
-    # non-roots; all ranks take the step count from the largest piece they can see,
-    # which for scatter is equal (the API checks equal sizes) and for reduce-scatter
-    # is the same list on every rank.
     writer = root is None or root == r
     # One step if small and every piece has the output's size (for scatter the API checks
     # that the root's do; a reduce-scatter's list is the same on every rank).
@@ -405,6 +400,11 @@ def _scatter(steps, comm: Comm, sources: list[torch.Tensor] | None, output: torc
         else:
             output.copy_(theirs[root])
         return
+    per = max((steps.chunk // p) // 64 * 64 // esize, 1)  # elements per destination per step
+    # Every rank knows every destination's size from its own list, except scatter's
+    # non-roots; all ranks take the step count from the largest piece they can see,
+    # which for scatter is equal (the API checks equal sizes) and for reduce-scatter
+    # is the same list on every rank.
     sizes = [t.numel() for t in sources] if sources is not None else [n] * p
     count = max(_count(size, per) for size in sizes)
     steps.begin(comm.seq, comm.fingerprint)

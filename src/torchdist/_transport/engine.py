@@ -20,8 +20,8 @@ States of the engine::
     idle ──submit──▶ queued ──run by caller or worker──▶ busy ──queue empty──▶ idle
       └──────────────────────────── close() ─────────────────────────▶ closed
 
-Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``; it is never held while
-an op runs or the transport is driven.
+Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``;
+it is never held while an op runs or the transport is driven.
 """
 
 from __future__ import annotations
