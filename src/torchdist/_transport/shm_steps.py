@@ -58,11 +58,6 @@ _YIELDS = int(os.environ.get("TORCHDIST_SHM_YIELDS", "1"))
 #: the peer (or to other work) and a sleeper is favoured by the scheduler when woken.
 _SPIN_PAYS_S = 50e-6
 _PROBE_EVERY = 64
-#: With more ranks than cores, a yield that returns within this time ran nobody else:
-#: this rank has a core to itself (a bare sched_yield costs ~0.3 us here, a switch ~1.5 us).
-_SWITCHLESS_S = 1e-6
-#: After this many such yields in a row the rank blocks instead (see ``Steps._poll``).
-_ALONE_YIELDS = 20
 
 
 class Steps:
@@ -162,33 +157,15 @@ class Steps:
         self._adapt(time.perf_counter() - start)
 
     def _poll(self, g: int, until: float, yields: bool) -> bool:
-        """Poll until every rank published ``g`` (True) or ``until`` passes (False).
-
-        Yielding (more ranks than cores), also False once ``_ALONE_YIELDS`` yields in a
-        row ran nobody else: the rank is alone on its core while the others crowd the
-        rest. The scheduler keeps it that way as long as it spins (measured at world 4
-        on 2 cores: one rank spinning alone, three sharing a core, 8-byte all-reduce
-        41-44 us instead of 30-33); blocking idles its core, which then takes over one of
-        the crowded ranks."""
+        """Poll until every rank published ``g`` (True) or ``until`` passes (False)."""
         lagging, polls = self._lagging, 1 if yields else _SPIN_POLLS
-        clock, alone = time.perf_counter, 0
         while True:
             for _ in range(polls):
                 if lagging(g) is None:
                     return True
             if yields:
-                before = clock()
                 os.sched_yield()
-                now = clock()
-                if now - before < _SWITCHLESS_S:
-                    alone += 1
-                    if alone >= _ALONE_YIELDS:
-                        return False
-                else:
-                    alone = 0
-            else:
-                now = clock()
-            if now > until:
+            if time.perf_counter() > until:
                 return False
 
     def _adapt(self, waited: float) -> None:
