@@ -41,6 +41,7 @@ from datetime import timedelta
 import torch
 
 from ..._algorithms.comm import Comm
+from ..._algorithms.reduction import Average
 from ..._store.prefix_store import PrefixStore
 from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.shm_segment import supported
@@ -129,7 +130,7 @@ class HierarchicalBackend(ProcessGroupBackend):
                 self.leaders.allreduce([flat], sub_op).wait()  # all-reduce between the leaders
             self.local.broadcast(flat, 0).wait()             # broadcast within the host
             if kind is RedOpType.AVG:
-                TcpBackend._average(flat, self._size)
+                Average(self._size)(flat)
             if len(tensors) > 1:
                 offset = 0
                 for t in tensors:

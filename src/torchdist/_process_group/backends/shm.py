@@ -25,6 +25,7 @@ import torch
 from ...errors import DistBackendError
 from ..._algorithms import shm_direct
 from ..._algorithms.comm import Comm
+from ..._algorithms.reduction import Average
 from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.base import Transport
 from ..._transport.shm import ShmTransport
@@ -111,7 +112,7 @@ class ShmBackend(TcpBackend):
             if plan is None:
                 code, combine, premul, average = self._reduction(op, tensor.dtype)
                 fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, tensor.dtype, tensor.numel(), -1, code)
-                finish = self._averager(self._size) if average else None
+                finish = Average(self._size) if average else None
                 plan = (fingerprint, combine, finish) if premul is None else None
                 if len(self._plans) > 256:
                     self._plans.clear()

@@ -39,7 +39,7 @@ import torch
 from ...errors import DistBackendError, DistError
 from ..._algorithms import collectives as algo
 from ..._algorithms.comm import Comm, Scratch, byte_view
-from ..._algorithms.reduction import combiner
+from ..._algorithms.reduction import Average, combiner
 from ..._transport.base import PeerTimeout, Transfer, Transport
 from ..._transport.engine import Engine, EngineOp
 from ..._transport.framing import MsgKind, OpFingerprint, OpKind
@@ -225,21 +225,6 @@ class TcpBackend(ProcessGroupBackend):
         premul = factor if kind is RedOpType.PREMUL_SUM else None
         return int(kind), combiner(name, dtype), premul, kind is RedOpType.AVG
 
-    @staticmethod
-    def _average(flat: torch.Tensor, size: int) -> None:
-        if flat.dtype.is_floating_point or flat.dtype.is_complex:
-            if size & (size - 1) == 0:  # x * 2**-k is x / 2**k, bit for bit, and ~10x faster here
-                flat.mul_(1.0 / size)
-            else:
-                flat.div_(size)
-        elif flat.dtype is not torch.bool:
-            flat.div_(size, rounding_mode="floor")
-
-    @classmethod
-    def _averager(cls, size: int) -> Callable[[torch.Tensor], None]:
-        """AVG's division as an all-reduce finisher (``_algorithms.reduction.Finish``)."""
-        return lambda piece: cls._average(piece, size)
-
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         fingerprint = OpFingerprint.of(OpKind.BROADCAST, tensor.dtype, tensor.numel(), root)
         return self._collective("broadcast", [tensor], fingerprint,
@@ -256,7 +241,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
             if premul is not None:
                 flat.mul_(premul)
-            self._algorithms.allreduce(comm, flat, combine, self._averager(comm.size) if average else None)
+            self._algorithms.allreduce(comm, flat, combine, Average(comm.size) if average else None)
             if len(tensors) > 1:
                 offset = 0
                 for t in tensors:
@@ -274,7 +259,7 @@ class TcpBackend(ProcessGroupBackend):
                 flat.mul_(premul)
             self._algorithms.reduce(comm, flat, root, combine)
             if average and comm.rank == root:
-                self._average(flat, comm.size)
+                Average(comm.size)(flat)
         return self._collective("reduce", [tensor], fingerprint, run)
 
     def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
@@ -330,7 +315,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = output.view(-1)
             self._algorithms.reduce_scatter(comm, pieces, combine, flat)
             if average:
-                self._average(flat, comm.size)
+                Average(comm.size)(flat)
         return self._collective(op_name, [output], fingerprint, run)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
