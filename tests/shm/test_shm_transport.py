@@ -133,3 +133,28 @@ def test_receive_posted_while_an_unexpected_message_streams_in() -> None:
     finally:
         for t in ts:
             t.close()
+
+
+def test_a_step_published_before_a_break_still_completes() -> None:
+    """Rank 1 publishes step g, finishes it and breaks; rank 0, looking only now, still
+    completes step g (rank 1's data for it stands) and gets the break at its next step."""
+    from torchdist._transport.framing import OpFingerprint, OpKind
+    from torchdist._transport.shm_board import STEP
+    from torchdist.errors import DistBackendError
+
+    fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, torch.float32, 4, -1, 0)
+    ts = shm_world(2)
+    try:
+        mine, theirs = ts[0].steps, ts[1].steps
+        mine.begin(0, fingerprint)
+        theirs.begin(0, fingerprint)
+        ts[0].board.me[STEP] = mine.step + 1  # rank 0 publishes step g (as sync() would first)...
+        theirs.sync(time.monotonic() + 5)  # ...rank 1 sees it, completes g...
+        ts[1].fail(DistBackendError("rank 1 broke after its step"))  # ...and breaks
+        mine.sync(time.monotonic() + 5)  # rank 0 only now looks at rank 1's counter
+        mine.begin(1, fingerprint)
+        with pytest.raises(DistBackendError, match="broke after its step"):
+            mine.sync(time.monotonic() + 5)
+    finally:
+        for t in ts:
+            t.close()

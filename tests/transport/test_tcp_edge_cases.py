@@ -3,7 +3,8 @@
 - a receive posted while an unexpected message from the same peer streams in;
 - an any-source receive once every peer is gone;
 - a rank breaking its group while a large message to a peer is mid-payload;
-- a stalled rank in a ring, named by the ranks that wait on its neighbours.
+- a stalled rank in a ring, named by the ranks that wait on its neighbours;
+- a peer's ABORT read in the same poll as the last bytes of a finished receive.
 
 The in-process tests use real loopback TCP connections and drive the transports
 from one thread (``_pump``), so the interleavings they test are deterministic.
@@ -233,3 +234,24 @@ def test_ring_stall_names_the_stalled_rank_on_every_rank() -> None:
         assert "timed out" in message and "ranks [2] did not arrive" in message, (rank, message)
         assert "ranks [0]" not in message, (rank, message)
         assert elapsed < 3.5, (rank, elapsed)
+
+
+def test_a_break_read_after_the_last_bytes_is_the_next_ops_error() -> None:
+    """Rank 1's message arrives, then rank 1 aborts. Rank 0 reads both in one poll, but
+    its receive is complete: that wait succeeds, and the break is the next op's error
+    (a hierarchical all-reduce failed its last, finished step this way, now and then)."""
+    ts = _tcp_world(2)
+    try:
+        got = torch.zeros(4)
+        receive = ts[0].irecv(1, MsgKind.COLL, 0, FP, byte_view(got))
+        ts[1].isend(0, MsgKind.COLL, 0, FP, byte_view(torch.full((4,), 5.0)))  # small: in the socket at once
+        ts[1].fail(DistBackendError("rank 1 broke after sending"))
+        time.sleep(0.2)  # both the data and the ABORT are waiting for rank 0
+        ts[0].wait([receive], time.monotonic() + 10)
+        assert got.tolist() == [5.0] * 4
+        with pytest.raises(DistBackendError, match="broke after sending"):
+            ts[0].wait([ts[0].irecv(1, MsgKind.COLL, 1, FP, byte_view(got))], time.monotonic() + 5)
+    finally:
+        for t in ts:
+            t.close()
+

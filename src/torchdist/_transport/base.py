@@ -119,7 +119,10 @@ class Transport(abc.ABC):
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
         """Drive progress until every transfer named is done.
 
-        Raises the transport's first fatal error, or :class:`PeerTimeout` at
+        Raises a failed transfer's error; the transport's first fatal error if it
+        broke before they were all done (once they are, a later break, such as a
+        peer's ABORT read in the same poll as their last bytes, is the next op's
+        error, not this one's); or :class:`PeerTimeout` at
         ``deadline`` (a ``time.monotonic()`` value; None = no limit). A timeout does
         not break the transport by itself; the caller decides (see ``fail``). A
         transport may wait past ``deadline`` (bounded) for the ABORT of peers that

@@ -204,10 +204,10 @@ class LoopbackTransport(Transport):
         with self.fabric.cond:
             while True:
                 self._pump_all()
+                if all(t.done for t in transfers):
+                    break  # a break after that is the next op's (see Transport.wait)
                 if self._error is not None:
                     raise self._error
-                if all(t.done for t in transfers):
-                    break
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     peers = sorted({t.peer for t in transfers if not t.done and t.peer is not None})

@@ -208,7 +208,7 @@ class ShmTransport(Transport):
         except BaseException as exc:  # a dead peer: DistNetworkError
             self.fail(exc)
             raise
-        if self._error is not None:
+        if self._error is not None and not all(t.done for t in transfers):
             raise self._error
         for transfer in transfers:
             if transfer.error is not None:

@@ -110,10 +110,17 @@ class Steps:
                     self._compare(g, record)
 
     def _lagging(self, g: int) -> int | None:
+        """A peer that has not published step ``g`` yet, or None; raises if one never will.
+
+        A broken peer's counter reads ``-1 - step``: a step it published before its
+        group broke still counts (its data for it stands), so an op whose every step
+        was published completes, and the break is the next op's error."""
         for j, ctl in self._peer_ctl:
             value = ctl[STEP]
             if value < g:
                 if value < 0:
+                    if -1 - value >= g:
+                        continue
                     raise self.board.aborted(j)
                 return j
         return None

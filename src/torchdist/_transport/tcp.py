@@ -181,13 +181,13 @@ class TcpTransport(Transport):
             self._op_seq, self._op_start = transfers[0].seq, time.monotonic()  # the op's first wait
         extended = False
         while True:
-            if self._error is not None:
-                raise self._error
             for transfer in transfers:
                 if not transfer.done:
                     break
             else:
-                break
+                break  # all done: a break after that is the next op's (see Transport.wait)
+            if self._error is not None:
+                raise self._error
             if deadline is None:
                 timeout = 1.0
             else:
