@@ -32,6 +32,7 @@ Combine = Callable[[torch.Tensor, torch.Tensor], None]
 #: instead of in a pass over the whole tensor afterwards.
 Finish = Callable[[torch.Tensor], None]
 
+
 def average(piece: torch.Tensor, size: int) -> None:
     """AVG's division of a reduced ``piece`` by the group ``size``, in place (integers: floor)."""
     if piece.dtype.is_floating_point or piece.dtype.is_complex:
