@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 
 from ..._algorithms.comm import Comm
-from ..._algorithms.reduction import Average
+from ..._algorithms.reduction import average
 from ..._store.prefix_store import PrefixStore
 from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.shm_segment import supported
@@ -130,7 +130,7 @@ class HierarchicalBackend(ProcessGroupBackend):
                 self.leaders.allreduce([flat], sub_op).wait()  # all-reduce between the leaders
             self.local.broadcast(flat, 0).wait()             # broadcast within the host
             if kind is RedOpType.AVG:
-                Average(self._size)(flat)
+                average(flat, self._size)
             if len(tensors) > 1:
                 offset = 0
                 for t in tensors:

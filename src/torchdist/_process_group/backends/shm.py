@@ -32,7 +32,7 @@ from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
 from ..reduce_op import ReduceOp
 from ..work import Work, WorkState
-from .tcp import TcpBackend
+from .tcp import TcpBackend, memo
 
 __all__ = ["ShmBackend", "exchange_hosts", "describe_hosts"]
 
@@ -107,16 +107,8 @@ class ShmBackend(TcpBackend):
         reduce-op translation and fingerprint cost more than a small op's data."""
         if len(tensors) == 1 and self._broken is None:
             tensor = tensors[0]
-            key = (op, tensor.dtype, tensor.numel())
-            plan = self._plans.get(key)
-            if plan is None:
-                code, combine, premul, average = self._reduction(op, tensor.dtype)
-                fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, tensor.dtype, tensor.numel(), -1, code)
-                finish = Average(self._size) if average else None
-                plan = (fingerprint, combine, finish) if premul is None else None
-                if len(self._plans) > 256:
-                    self._plans.clear()
-                self._plans[key] = plan
+            plan = memo(self._plans, (op, tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
+                        tensor.numel())
             if plan is not None:
                 fingerprint, combine, finish = plan
                 flat = tensor if tensor.dim() == 1 else tensor.view(-1)  # view() costs ~1 us
@@ -124,6 +116,14 @@ class ShmBackend(TcpBackend):
                 if work is not None:
                     return work
         return super().allreduce(tensors, op)
+
+    def _plan(self, op: ReduceOp, dtype: torch.dtype, numel: int) -> tuple | None:
+        """(fingerprint, combiner, finisher) of a single-tensor all-reduce; None for PREMUL_SUM."""
+        code, combine, premul, is_avg = self._reduction(op, dtype)
+        if premul is not None:
+            return None
+        return (OpFingerprint.of(OpKind.ALLREDUCE, dtype, numel, -1, code), combine,
+                Average(self._size) if is_avg else None)
 
     def _inline(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
                 run: Callable[..., None], *args) -> Work | None:

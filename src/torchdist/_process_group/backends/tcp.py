@@ -39,7 +39,7 @@ import torch
 from ...errors import DistBackendError, DistError
 from ..._algorithms import collectives as algo
 from ..._algorithms.comm import Comm, Scratch, byte_view
-from ..._algorithms.reduction import Average, combiner
+from ..._algorithms.reduction import Average, average, combiner
 from ..._transport.base import PeerTimeout, Transfer, Transport
 from ..._transport.engine import Engine, EngineOp
 from ..._transport.framing import MsgKind, OpFingerprint, OpKind
@@ -49,7 +49,7 @@ from ..backend import ProcessGroupBackend
 from ..reduce_op import ReduceOp, RedOpType, as_red_op
 from ..work import Work
 
-__all__ = ["TcpBackend"]
+__all__ = ["TcpBackend", "memo"]
 
 #: Ops moving at least this many bytes per rank wake the worker at once. Below it a
 #: thread wake-up and the GIL hand-off it causes (measured: 0.1-1.5 ms on the loaded
@@ -83,6 +83,19 @@ class _OpWork(Work):
         if not self._done.is_set():
             self._backend._engine.kick()  # futures complete without wait(): run the op
         return super().get_future()
+
+
+def memo(cache: dict, key, make: Callable, *args):
+    """``cache[key]``, made by ``make(*args)`` on first use (None included). The cache is
+    emptied past 256 keys: PREMUL_SUM factors could make keys without end."""
+    try:
+        return cache[key]
+    except KeyError:
+        pass
+    if len(cache) > 256:
+        cache.clear()
+    value = cache[key] = make(*args)
+    return value
 
 
 class TcpBackend(ProcessGroupBackend):
@@ -206,13 +219,7 @@ class TcpBackend(ProcessGroupBackend):
     def _reduction(self, op: ReduceOp, dtype: torch.dtype):
         """(fingerprint code, combiner, pre-scale factor or None, divide-by-size?), cached:
         working it out costs a few microseconds, a fifth of a small shared-memory op."""
-        key = (op, dtype)
-        found = self._reductions.get(key)
-        if found is None:
-            if len(self._reductions) > 256:  # PREMUL_SUM factors could make keys without end
-                self._reductions.clear()
-            found = self._reductions[key] = self._work_out_reduction(op, dtype)
-        return found
+        return memo(self._reductions, (op, dtype), self._work_out_reduction, op, dtype)
 
     def _work_out_reduction(self, op: ReduceOp, dtype: torch.dtype):
         kind, factor = as_red_op(op)
@@ -232,7 +239,7 @@ class TcpBackend(ProcessGroupBackend):
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
         dtype = tensors[0].dtype
-        code, combine, premul, average = self._reduction(op, dtype)
+        code, combine, premul, is_avg = self._reduction(op, dtype)
         kind = OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED
         fingerprint = OpFingerprint.of(kind, dtype, sum(t.numel() for t in tensors), -1, code)
 
@@ -241,7 +248,7 @@ class TcpBackend(ProcessGroupBackend):
             flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
             if premul is not None:
                 flat.mul_(premul)
-            self._algorithms.allreduce(comm, flat, combine, Average(comm.size) if average else None)
+            self._algorithms.allreduce(comm, flat, combine, Average(comm.size) if is_avg else None)
             if len(tensors) > 1:
                 offset = 0
                 for t in tensors:
@@ -250,7 +257,7 @@ class TcpBackend(ProcessGroupBackend):
         return self._collective("allreduce", tensors, fingerprint, run)
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM) -> Work:
-        code, combine, premul, average = self._reduction(op, tensor.dtype)
+        code, combine, premul, is_avg = self._reduction(op, tensor.dtype)
         fingerprint = OpFingerprint.of(OpKind.REDUCE, tensor.dtype, tensor.numel(), root, code)
 
         def run(comm: Comm) -> None:
@@ -258,8 +265,8 @@ class TcpBackend(ProcessGroupBackend):
             if premul is not None:
                 flat.mul_(premul)
             self._algorithms.reduce(comm, flat, root, combine)
-            if average and comm.rank == root:
-                Average(comm.size)(flat)
+            if is_avg and comm.rank == root:
+                average(flat, comm.size)
         return self._collective("reduce", [tensor], fingerprint, run)
 
     def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
@@ -305,7 +312,7 @@ class TcpBackend(ProcessGroupBackend):
 
     def _reduce_scatter(self, op_name: str, kind: OpKind, output: torch.Tensor,
                         chunks: Callable[[], list[torch.Tensor]], numel: int, op: ReduceOp) -> Work:
-        code, combine, premul, average = self._reduction(op, output.dtype)
+        code, combine, premul, is_avg = self._reduction(op, output.dtype)
         fingerprint = OpFingerprint.of(kind, output.dtype, numel, -1, code)
 
         def run(comm: Comm) -> None:
@@ -314,8 +321,8 @@ class TcpBackend(ProcessGroupBackend):
                 pieces = [piece * premul for piece in pieces]
             flat = output.view(-1)
             self._algorithms.reduce_scatter(comm, pieces, combine, flat)
-            if average:
-                Average(comm.size)(flat)
+            if is_avg:
+                average(flat, comm.size)
         return self._collective(op_name, [output], fingerprint, run)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
