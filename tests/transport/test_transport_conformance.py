@@ -143,6 +143,32 @@ def test_peer_one_op_ahead_and_large_simultaneous_exchange(world) -> None:
     assert _threads(ts, fn) == [[True] * 3, [True] * 3]
 
 
+@pytest.mark.parametrize("when", ["before_it_arrives", "after_it_was_parked"])
+def test_p2p_message_behind_a_collective_message_nobody_waits_for(world, when: str) -> None:
+    """A peer sends its part of a collective, then a P2P message that the receiver needs
+    before it joins that collective. The collective message, larger than the buffers
+    between them, is read into memory so that the P2P message behind it gets through."""
+    ts = world(2)
+    n = 1 << 20  # 4 MiB
+    fingerprint = OpFingerprint.of(OpKind.ALLREDUCE, torch.float32, n, -1, 0)
+
+    def fn(t: Transport, rank: int):
+        if rank == 0:
+            part = t.isend(1, MsgKind.COLL, 0, fingerprint, byte_view(torch.full((n,), 3.0)))
+            message = t.isend(1, MsgKind.P2P, 0, NONE, byte_view(torch.full((4,), 7.0)), 9)
+            t.wait([part, message], _deadline())
+            return None
+        if when == "after_it_was_parked":
+            for _ in range(5):  # read the collective's header; nobody waits for it: parked
+                t.progress(0.05)
+        got = torch.zeros(4)
+        t.wait([t.irecv(0, MsgKind.P2P, 0, NONE, byte_view(got), 9)], _deadline())
+        part = torch.zeros(n)
+        t.wait([t.irecv(0, MsgKind.COLL, 0, fingerprint, byte_view(part))], _deadline())
+        return got[0].item(), part[0].item(), part[-1].item()
+    assert _threads(ts, fn) == [None, (7.0, 3.0, 3.0)]
+
+
 def test_mismatch_raises_on_every_rank(world) -> None:
     ts = world(3)
 

@@ -22,6 +22,8 @@ Model (gloo's ``Pair``, made non-blocking):
 
 Threading: a transport is driven by one thread at a time (the process group's
 engine lock ensures it); ``interrupt()`` is the one call safe from another thread.
+Other threads hand work to the driver through ``on_poll``, which the driver calls
+whenever it polls (``wait``, ``progress``) while it is set.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ class Transport(abc.ABC):
 
     rank: int
     size: int
+    #: Set from another thread (see ``Engine.post``) to have the driving thread call it
+    #: at its next poll, before moving data; the callee clears it.
+    on_poll: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,

@@ -124,8 +124,12 @@ class LoopbackTransport(Transport):
                 if on_data is not None:
                     on_data(transfer.nbytes)
                 transfer.finish()
-            elif kind is MsgKind.COLL and self._parked[peer]:
+            elif kind is MsgKind.COLL:
                 self._parked[peer] = False
+            else:  # a P2P message may be behind a parked collective one (Matcher.p2p_waits_on)
+                for src in range(self.size):
+                    if peer is None or peer == src:
+                        self._parked[src] = False
             self._pump_all()
             return transfer
 
@@ -162,7 +166,8 @@ class LoopbackTransport(Transport):
             target = None
             if header[KIND] != MsgKind.ABORT:
                 target = self._matcher.match(src, header)
-            if target is None and header[KIND] == MsgKind.COLL and not draining:
+            if (target is None and header[KIND] == MsgKind.COLL and not draining
+                    and not self._matcher.p2p_waits_on(src)):
                 self._parked[src] = True
                 break
             if target is not None:
@@ -203,6 +208,8 @@ class LoopbackTransport(Transport):
         transfers = list(transfers)
         with self.fabric.cond:
             while True:
+                if self.on_poll is not None:
+                    self.on_poll()
                 self._pump_all()
                 if all(t.done for t in transfers):
                     break  # a break after that is the next op's (see Transport.wait)
@@ -219,6 +226,8 @@ class LoopbackTransport(Transport):
 
     def progress(self, timeout: float) -> None:
         with self.fabric.cond:
+            if self.on_poll is not None:
+                self.on_poll()
             self._pump_all()
             self.fabric.cond.wait(timeout)
             self._pump_all()

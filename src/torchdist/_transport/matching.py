@@ -91,6 +91,13 @@ class Matcher:
     def pending(self) -> bool:
         return bool(self.p2p_posted) or any(self.coll_posted)
 
+    def p2p_waits_on(self, peer: int) -> bool:
+        """Whether a posted P2P receive could take a message from ``peer``. A collective
+        message of ``peer`` nobody waits for yet is then read into memory instead of
+        parked: the P2P message may be queued behind it (the peer sent its part of a
+        collective, then the send that we need before we join that collective)."""
+        return any(t.peer is None or t.peer == peer for t in self.p2p_posted)
+
     def all_posted(self) -> list[Transfer]:
         posted = [t for queue in self.coll_posted for t in queue] + self.p2p_posted
         for queue in self.coll_posted:

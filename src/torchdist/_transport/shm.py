@@ -119,6 +119,8 @@ class ShmTransport(Transport):
         self._quiet_at = -1
 
     def _pump(self) -> None:
+        if self.on_poll is not None:
+            self.on_poll()
         if self._error is None and self.pending():
             self._step()
 
@@ -164,17 +166,26 @@ class ShmTransport(Transport):
             if on_data is not None:
                 on_data(transfer.nbytes)
             transfer.finish()
-        elif kind == MsgKind.COLL and self._in[peer].parked is not None:
+        elif kind == MsgKind.COLL:
             channel = self._in[peer]
-            header, channel.parked = channel.parked, None
-            self._dispatch(channel, header)
-            self._read(channel)
-            self._ring_bells()
+            if channel.parked is not None:  # the peer's message was waiting for this receive
+                header, channel.parked = channel.parked, None
+                self._dispatch(channel, header)
+                self._read(channel)
+                self._ring_bells()
+        else:
+            parked = [c for c in self._in if c is not None and c.parked is not None and peer in (None, c.peer)]
+            for channel in parked:
+                self._unpark(channel)
+            if parked:
+                self._ring_bells()
         return transfer
 
     # -- driving -----------------------------------------------------------------------
     def _step(self) -> bool:
         """Move whatever can move on every channel; True if anything did."""
+        if self.on_poll is not None:
+            self.on_poll()
         moved = False
         for out in self._out:
             if out is not None and out.sendq:
@@ -318,7 +329,8 @@ class ShmTransport(Transport):
                 raw = bytearray(_HSIZE)
                 self._take(channel, memoryview(raw), _HSIZE)
                 header = HEADER.unpack(raw)
-                if header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]:
+                if (header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]
+                        and not self._matcher.p2p_waits_on(channel.peer)):
                     channel.parked = header  # the peer is ahead: leave its payload in the ring
                     break
                 self._dispatch(channel, header)
@@ -337,12 +349,12 @@ class ShmTransport(Transport):
 
     def _dispatch(self, channel: _In, header: tuple) -> None:
         target = self._matcher.match(channel.peer, header)
-        if target is None:  # P2P nobody waits for yet: keep it in memory
+        if target is None:  # nobody waits for it yet (P2P, or COLL not parked): keep it in memory
             fp = OpFingerprint(header[1], header[2], header[7], header[4], header[3])
             target = Transfer(False, MsgKind(header[KIND]), channel.peer, header[5], fp, header[TAG],
                               memoryview(bytearray(header[NBYTES])))
             peer = channel.peer
-            target.on_done = lambda t: self._early_p2p_done(peer, header, bytes(t.view))
+            target.on_done = lambda t: self._early_done(peer, header, bytes(t.view))
         else:
             try:
                 check_match(self.label, self.names, self.rank, target, channel.peer, header)
@@ -354,25 +366,33 @@ class ShmTransport(Transport):
         if target.nbytes == 0:
             self._advance(channel, 0)
 
-    def _early_p2p_done(self, peer: int, header: tuple, payload: bytes) -> None:
-        """An unexpected P2P message is in memory: hand it to a receive posted while it
+    def _early_done(self, peer: int, header: tuple, payload: bytes) -> None:
+        """An unexpected message is in memory: hand it to a receive posted while it
         streamed in, else keep it for a later one."""
-        posted = self._matcher.p2p_posted
-        for index, transfer in enumerate(posted):
-            if transfer.tag == header[TAG] and transfer.peer in (None, peer):
-                del posted[index]
-                transfer.source = peer
-                try:
-                    check_match(self.label, self.names, self.rank, transfer, peer, header)
-                except DistBackendError as exc:
-                    self.fail(exc)
-                    return
-                transfer.view[:] = payload
-                if transfer.on_data is not None:
-                    transfer.on_data(transfer.nbytes)
-                transfer.finish()
-                return
-        self._matcher.p2p_early.append((peer, header, payload))
+        transfer = self._matcher.match(peer, header)
+        if transfer is None:
+            if header[KIND] == MsgKind.COLL:
+                self._matcher.coll_early[peer].append((header, payload))
+            else:
+                self._matcher.p2p_early.append((peer, header, payload))
+            return
+        try:
+            check_match(self.label, self.names, self.rank, transfer, peer, header)
+        except DistBackendError as exc:
+            self.fail(exc)
+            transfer.finish(exc)  # matched, hence no longer posted: fail() did not see it
+            return
+        transfer.view[:] = payload
+        if transfer.on_data is not None:
+            transfer.on_data(transfer.nbytes)
+        transfer.finish()
+
+    def _unpark(self, channel: _In) -> None:
+        """A P2P receive was posted: read the parked collective message into memory, so
+        that the receive's message, possibly behind it, can come (see ``Matcher.p2p_waits_on``)."""
+        header, channel.parked = channel.parked, None
+        self._dispatch(channel, header)
+        self._read(channel)
 
     def _advance(self, channel: _In, n: int) -> None:
         channel.got += n

@@ -146,19 +146,24 @@ class TcpTransport(Transport):
             if transfer.error is not None:
                 raise transfer.error
         elif peer is None:
+            for channel in self._channels:
+                if channel is not None and channel.parked is not None:
+                    self._unpark(channel)
             self._need_any()
             if self._error is not None:
                 raise self._error
         elif not self._channels[peer].alive:
             self._need(self._channels[peer])  # nothing buffered will ever satisfy it
             raise self._error
-        elif kind == MsgKind.COLL:
+        elif self._channels[peer].parked is not None:
             channel = self._channels[peer]
-            if channel.parked is not None:  # the peer's message was waiting for a receive
+            if kind == MsgKind.COLL:  # the peer's message was waiting for a receive
                 header, channel.parked = channel.parked, None
                 self._set_mask(channel)
                 self._dispatch(channel, header)  # matches the receive just posted
                 self._read(channel)
+            else:
+                self._unpark(channel)
         return transfer
 
     def _deliver_early(self, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:
@@ -231,6 +236,8 @@ class TcpTransport(Transport):
 
     def progress(self, timeout: float, spin: float = 0.0) -> None:
         """One round of ``poll``; ``spin`` seconds of polling without sleeping first."""
+        if self.on_poll is not None:
+            self.on_poll()
         poll = self._poller.poll
         try:
             events = poll(0)
@@ -359,7 +366,7 @@ class TcpTransport(Transport):
             channel.heard_seq, channel.heard_at = header[SEQ], time.monotonic()  # see wait()
         target = self._matcher.match(channel.peer, header)
         if target is None:
-            if kind == MsgKind.COLL and not channel.draining:
+            if kind == MsgKind.COLL and not channel.draining and not self._matcher.p2p_waits_on(channel.peer):
                 channel.parked = header  # the peer is ahead: leave its data in the kernel
                 self._set_mask(channel)
                 return
@@ -407,6 +414,14 @@ class TcpTransport(Transport):
         if channel.got == target.nbytes:
             channel.target = None
             target.finish()
+
+    def _unpark(self, channel: _Channel) -> None:
+        """A P2P receive was posted: read the parked collective message into memory, so
+        that the receive's message, possibly behind it, can come (see ``Matcher.p2p_waits_on``)."""
+        header, channel.parked = channel.parked, None
+        self._begin_payload(channel, header)
+        self._set_mask(channel)
+        self._read(channel)
 
     def _drain(self, channel: _Channel) -> None:
         """The peer hung up while parked: read its remaining messages into memory."""
