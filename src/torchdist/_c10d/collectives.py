@@ -67,7 +67,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
     check_tensor("broadcast", tensor)
     root = group_root(pg, "broadcast", src, group_src)
     stage = Staging()
-    return stage.finish(pg.backend.broadcast(stage.output(tensor), root), async_op)
+    return stage.finish(pg.backend.broadcast(stage.output(tensor), root, async_op=async_op), async_op)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, async_op: bool = False) -> Work | None:
@@ -78,7 +78,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, as
     check_tensor("all_reduce", tensor)
     _check_op("all_reduce", op, [tensor])
     stage = Staging()
-    return stage.finish(pg.backend.allreduce([stage.output(tensor)], op), async_op)
+    return stage.finish(pg.backend.allreduce([stage.output(tensor)], op, async_op=async_op), async_op)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group=None,
@@ -92,7 +92,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
     check_same_dtype("all_reduce_coalesced", tensors)
     _check_op("all_reduce_coalesced", op, tensors)
     stage = Staging()
-    return stage.finish(pg.backend.allreduce([stage.output(t) for t in tensors], op), async_op)
+    return stage.finish(pg.backend.allreduce([stage.output(t) for t in tensors], op, async_op=async_op), async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group=None,
@@ -105,7 +105,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     _check_op("reduce", op, [tensor])
     root = group_root(pg, "reduce", dst, group_dst)
     stage = Staging()
-    return stage.finish(pg.backend.reduce(stage.output(tensor), root, op), async_op)
+    return stage.finish(pg.backend.reduce(stage.output(tensor), root, op, async_op=async_op), async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -123,7 +123,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
                 f"input has {tensor.numel()} (shape {tuple(tensor.shape)}); every output must match the input"
             )
     stage = Staging()
-    work = pg.backend.allgather([stage.output(t) for t in outputs], stage.input(tensor))
+    work = pg.backend.allgather([stage.output(t) for t in outputs], stage.input(tensor), async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -151,7 +151,8 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
             f"({pg.size()}) x the input's {input_tensor.numel()}"
         )
     stage = Staging()
-    work = pg.backend.allgather_into_tensor(stage.output(output_tensor), stage.input(input_tensor))
+    work = pg.backend.allgather_into_tensor(stage.output(output_tensor), stage.input(input_tensor),
+                                           async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -167,7 +168,8 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     check_same_dtype("all_gather_coalesced", [*input_tensor_list, *(t for lst in outputs for t in lst)])
     stage = Staging()
     works = [
-        pg.backend.allgather([stage.output(outputs[r][i]) for r in range(pg.size())], stage.input(inp))
+        pg.backend.allgather([stage.output(outputs[r][i]) for r in range(pg.size())], stage.input(inp),
+                             async_op=async_op)
         for i, inp in enumerate(input_tensor_list)
     ]
     return stage.finish(all_of("all_gather_coalesced", works, [t for lst in outputs for t in lst]), async_op)
@@ -192,7 +194,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         if gather_list:
             raise ValueError("gather: requires empty output on non-root (gather_list is only given on dst)")
         outputs = None
-    return stage.finish(pg.backend.gather(outputs, stage.input(tensor), root), async_op)
+    return stage.finish(pg.backend.gather(outputs, stage.input(tensor), root, async_op=async_op), async_op)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
@@ -214,7 +216,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         if scatter_list:
             raise ValueError("scatter: requires empty input on non-root (scatter_list is only given on src)")
         inputs = None
-    return stage.finish(pg.backend.scatter(stage.output(tensor), inputs, root), async_op)
+    return stage.finish(pg.backend.scatter(stage.output(tensor), inputs, root, async_op=async_op), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
@@ -232,7 +234,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Red
             f"has {output.numel()}; they must match"
         )
     stage = Staging()
-    work = pg.backend.reduce_scatter(stage.output(output), [stage.input(t) for t in inputs], op)
+    work = pg.backend.reduce_scatter(stage.output(output), [stage.input(t) for t in inputs], op,
+                                     async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -261,7 +264,7 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceO
             f"({pg.size()}) x the output's {output.numel()}"
         )
     stage = Staging()
-    work = pg.backend.reduce_scatter_tensor(stage.output(output), stage.input(input), op)
+    work = pg.backend.reduce_scatter_tensor(stage.output(output), stage.input(input), op, async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -275,7 +278,8 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     inputs = check_list("all_to_all", input_tensor_list, pg.size(), "input_tensor_list")
     check_same_dtype("all_to_all", [*outputs, *inputs])
     stage = Staging()
-    work = pg.backend.alltoall([stage.output(t) for t in outputs], [stage.input(t) for t in inputs])
+    work = pg.backend.alltoall([stage.output(t) for t in outputs], [stage.input(t) for t in inputs],
+                               async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -309,7 +313,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     stage = Staging()
     out_chunks = [stage.output(t) for t in torch.split(output.view(-1) if output.dim() == 0 else output, out_sizes)]
     in_chunks = [stage.input(t) for t in torch.split(input.view(-1) if input.dim() == 0 else input, in_sizes)]
-    return stage.finish(pg.backend.alltoall(out_chunks, in_chunks), async_op)
+    return stage.finish(pg.backend.alltoall(out_chunks, in_chunks, async_op=async_op), async_op)
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None) -> Work | None:
@@ -317,7 +321,7 @@ def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timede
     pg = member_group(group, "barrier")
     if pg is None:
         return None
-    work = pg.backend.barrier()
+    work = pg.backend.barrier(async_op=async_op)
     if async_op:
         return work
     work.wait(timeout)

@@ -14,9 +14,15 @@ Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
   gradient; only ``join(divide_by_initial_world_size=False)`` divides the
   gradients first, by the count of ranks still training;
 - when the last parameter of a bucket is ready, the bucket's all-reduce (or the
-  registered communication hook) starts *asynchronously*, so it overlaps the rest
-  of backward. Buckets are launched strictly in index order, because every rank
-  must issue the same collectives in the same order (section 3.2.3);
+  registered communication hook) is issued without waiting for it, so it overlaps
+  the rest of backward. Buckets are launched strictly in index order, because
+  every rank must issue the same collectives in the same order (section 3.2.3).
+  They are issued as ops their caller waits on later (``_issue_all_reduce``), not
+  as ``async_op=True`` ones: every rank waits on them at the end of backward and
+  issues nothing in between that a peer needs first, so a backend may run them
+  on this thread (shared memory: right here; TCP: large ones on its worker, small
+  ones when waited on) instead of a worker thread that would contend with
+  backward for the GIL;
 - a callback queued on the autograd engine runs when backward ends: it waits for
   every bucket in order and writes each one's averaged gradients back to
   ``.grad`` as soon as it is reduced (nothing to write for a solo bucket);
@@ -55,7 +61,7 @@ from typing import Callable, Sequence
 import torch
 
 from .._algorithms.shm_direct import SMALL_BYTES
-from .._c10d.collectives import all_reduce, broadcast
+from .._c10d.collectives import broadcast
 from .._process_group.reduce_op import ReduceOp
 from .bucket import Bucket, GradBucket, assign_buckets
 from .config import DDPConfig
@@ -238,12 +244,12 @@ class Reducer:
                 restore.append((zeros, zeros.clone()))
                 zeros.zero_()
             if self._comm_hook is None:
-                pending.append(all_reduce(zeros, self._bucket_op(), group=self._group, async_op=True))
+                pending.append(self._issue_all_reduce(zeros, self._bucket_op()))
             else:
                 pending.append(self._run_hook(GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                                          bucket.index == len(self._buckets) - 1)))
         if self._find_unused:
-            pending.append(all_reduce(torch.zeros_like(self._locally_used), group=self._group, async_op=True))
+            pending.append(self._issue_all_reduce(torch.zeros_like(self._locally_used), ReduceOp.SUM))
         for item in pending:
             item.wait()
         with torch.no_grad():
@@ -441,12 +447,17 @@ class Reducer:
             bucket = self._buckets[self._next_bucket]
             self._next_bucket += 1
             if self._comm_hook is None:
-                bucket.work = all_reduce(bucket.buffer, self._bucket_op(), group=self._group, async_op=True)
+                bucket.work = self._issue_all_reduce(bucket.buffer, self._bucket_op())
             else:
                 bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
                                                           bucket.offsets, bucket.index == len(self._buckets) - 1))
         if self._next_bucket == len(self._buckets) and self._tracks_used() and self._used_work is None:
-            self._used_work = all_reduce(self._locally_used, group=self._group, async_op=True)
+            self._used_work = self._issue_all_reduce(self._locally_used, ReduceOp.SUM)
+
+    def _issue_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
+        """All-reduce ``tensor`` (a contiguous flat bucket), to be waited on at the end of
+        backward; see the module docstring for why not ``async_op=True``."""
+        return self._group.backend.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], op)
 
     def _tracks_used(self) -> bool:
         return self._find_unused or (self._static and not self._static_done)

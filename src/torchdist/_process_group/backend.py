@@ -11,8 +11,13 @@ backend sees only:
   disagree.
 
 Every method returns a :class:`~torchdist._process_group.work.Work`. A synchronous
-caller simply waits on it. Methods a backend does not override raise a
-``RuntimeError`` naming the backend and the op.
+caller simply waits on it. A collective called with ``async_op=True`` (PyTorch's
+``opts.asyncOp``) must make progress without the caller waiting on it, as gloo's
+worker threads make it: a peer may need it done before it joins what this caller
+does next. Without it the backend may run the op when the caller waits, on the
+caller's thread. Point-to-point ops are always posted at once, whatever is queued
+before them. Methods a backend does not override raise a ``RuntimeError`` naming
+the backend and the op.
 """
 
 from __future__ import annotations
@@ -66,42 +71,46 @@ class ProcessGroupBackend:
         return RuntimeError(f"backend {self.name!r} does not implement {op}")
 
     # -- collectives -----------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False) -> Work:
         raise self._unsupported("broadcast")
 
-    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp, *, async_op: bool = False) -> Work:
         """Reduce each tensor of the list across ranks, in place (one call = coalesced)."""
         raise self._unsupported("allreduce")
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         raise self._unsupported("reduce")
 
-    def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
+    def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False) -> Work:
         """outputs[i] receives rank i's input; outputs may differ in size per rank."""
         raise self._unsupported("allgather")
 
-    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
         """output is size x input, concatenated in rank order."""
         raise self._unsupported("allgather_into_tensor")
 
-    def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int) -> Work:
+    def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int, *,
+               async_op: bool = False) -> Work:
         raise self._unsupported("gather")
 
-    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
+    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int, *,
+                async_op: bool = False) -> Work:
         raise self._unsupported("scatter")
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> Work:
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp, *,
+                       async_op: bool = False) -> Work:
         """output receives the reduction over ranks of inputs[rank]; sizes may differ."""
         raise self._unsupported("reduce_scatter")
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *,
+                              async_op: bool = False) -> Work:
         raise self._unsupported("reduce_scatter_tensor")
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, async_op: bool = False) -> Work:
         """outputs[j] receives rank j's inputs[rank]."""
         raise self._unsupported("alltoall")
 
-    def barrier(self) -> Work:
+    def barrier(self, *, async_op: bool = False) -> Work:
         raise self._unsupported("barrier")
 
     # -- point to point ----------------------------------------------------------------

@@ -15,13 +15,20 @@ there first:
   driving the transport, in short ``progress`` calls that a new submit
   interrupts.
 
+Point-to-point ops do not queue behind collectives (``post``): a send may be what
+a peer needs before it can join the collective issued before it, as in gloo,
+which posts sends and receives at once. A post runs at once on the calling
+thread if nobody drives the transport; otherwise the driver runs it at its next
+poll (``Transport.on_poll``), even in the middle of a collective.
+
 States of the engine::
 
     idle ──submit──▶ queued ──run by caller or worker──▶ busy ──queue empty──▶ idle
       └──────────────────────────── close() ─────────────────────────▶ closed
 
 Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``;
-it is never held while an op runs or the transport is driven.
+it is never held while an op runs or the transport is driven. ``_posts`` is a
+deque: appended by any thread, emptied only by the driver.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class Engine:
         self._mutex = threading.Lock()
         self._cv = threading.Condition(self._mutex)
         self._queue: deque[EngineOp] = deque()
+        self._posts: deque[EngineOp] = deque()  # handed to the driver by ``post``
         self._busy = False
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -89,11 +97,47 @@ class Engine:
         if driving:  # the worker may be blocked in progress() on pending transfers
             self.transport.interrupt()
 
+    def post(self, op: EngineOp) -> None:
+        """Run ``op`` (it posts transfers) now on this thread if nobody drives the
+        transport, whatever is queued; else hand it to the driver, which runs it at
+        its next poll or when it lets go of the transport."""
+        with self._mutex:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the engine is closed")
+            driving = self._busy
+            if driving:
+                self._posts.append(op)
+                # After the append: a driver that clears the hook (_run_posts) before
+                # draining either sees this op or is called again.
+                self.transport.on_poll = self._run_posts
+            else:
+                self._busy = True
+        if driving:
+            self.transport.interrupt()  # the driver may be blocked in a poll
+            return
+        op.started = True
+        try:
+            self._execute(op)
+        finally:
+            self.release()
+
+    def _run_posts(self) -> None:
+        """On the driving thread: run the ops that ``post`` handed over."""
+        self.transport.on_poll = None  # before draining (see post)
+        posts = self._posts
+        while True:
+            try:
+                op = posts.popleft()
+            except IndexError:  # empty (close() may empty it from another thread)
+                return
+            op.started = True
+            self._execute(op)
+
     def kick(self) -> None:
         """Make sure queued ops and pending transfers progress without the caller
         (``is_completed`` polling, futures, a caller that cannot drive)."""
         with self._cv:
-            if (self._queue or self._pending()) and not self._closed:
+            if self._has_work() and not self._closed:
                 self._wake_worker()
 
     def _wake_worker(self) -> None:  # under _cv
@@ -159,15 +203,19 @@ class Engine:
 
     def release(self) -> None:
         """Give the transport back (after ``take`` or a run); the worker takes over leftovers."""
+        if self._posts:
+            self._run_posts()
         with self._mutex:
             self._busy = False
-            if (self._queue or self._pending()) and not self._closed:
-                self._wake_worker()  # leftovers (async ops, pending transfers): the worker takes over
+            if self._has_work() and not self._closed:
+                # leftovers (async ops, posts handed over since the drain above, pending
+                # transfers): the worker takes over
+                self._wake_worker()
 
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (self._busy or not (self._queue or self._pending())):
+                while not self._closed and (self._busy or not self._has_work()):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -179,20 +227,22 @@ class Engine:
                 self._run(op)
                 continue
             try:
+                if self._posts:
+                    self._run_posts()
                 self._idle_step()
             except BaseException:  # noqa: BLE001 - errors surface through the transfers
                 logger.debug("%s: progress failed", self.name, exc_info=True)
             finally:
                 self.release()
 
-    def _pending(self) -> bool:
-        return self.transport.error is None and self.transport.pending()
+    def _has_work(self) -> bool:  # under _mutex
+        return bool(self._queue or self._posts) or (self.transport.error is None and self.transport.pending())
 
     def close(self, error: BaseException) -> None:
         """Fail queued ops with ``error`` and stop the worker."""
         with self._cv:
             self._closed = True
-            queued, self._queue = list(self._queue), deque()
+            queued = self._take_all()
             self._cv.notify_all()
             worker = self._worker
         for op in queued:
@@ -204,6 +254,13 @@ class Engine:
     def fail_queued(self, error: BaseException) -> None:
         """The group broke: ops still queued will never run."""
         with self._cv:
-            queued, self._queue = list(self._queue), deque()
+            queued = self._take_all()
         for op in queued:
             op.abandon(error)
+
+    def _take_all(self) -> list[EngineOp]:  # under _mutex
+        ops = list(self._queue) + list(self._posts)
+        self._queue.clear()
+        self._posts.clear()
+        self.transport.on_poll = None
+        return ops

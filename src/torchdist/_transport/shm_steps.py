@@ -109,6 +109,16 @@ class Steps:
                 if ctl[word] != digest:
                     self._compare(g, record)
 
+    def peers_inside(self) -> bool:
+        """Whether every peer has published the step this rank publishes next, i.e. is
+        already inside the next collective (or broke: running it then raises at once)."""
+        g = self.step + 1
+        for _, ctl in self._peer_ctl:
+            value = ctl[STEP]
+            if 0 <= value < g:
+                return False
+        return True
+
     def _lagging(self, g: int) -> int | None:
         """A peer that has not published step ``g`` yet, or None; raises if one never will.
 

@@ -111,7 +111,8 @@ class HierarchicalBackend(ProcessGroupBackend):
     def seq(self, value: int) -> None:  # the base class initializes it; the flat group counts
         pass
 
-    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                  async_op: bool = False) -> Work:
         kind, factor = as_red_op(op)
         if kind is RedOpType.UNUSED:
             raise ValueError("ReduceOp.UNUSED is not a reduction")
@@ -137,7 +138,7 @@ class HierarchicalBackend(ProcessGroupBackend):
                     t.view(-1).copy_(flat[offset:offset + t.numel()])
                     offset += t.numel()
             announced()
-        return self.flat._issue_op("allreduce", tensors, True, body, nbytes)
+        return self.flat._issue_op("allreduce", tensors, True, body, nbytes, async_op)
 
     def _announce(self, seq: int, fingerprint: OpFingerprint):
         """Send this op's fingerprint to every flat peer and post the receives of theirs;

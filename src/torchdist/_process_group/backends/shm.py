@@ -90,22 +90,28 @@ class ShmBackend(TcpBackend):
     # with compute that competes for the same cores. So when the engine is idle (no
     # queued op, no pending transfer) a collective runs right here, holding the
     # engine (``Engine.take``) so nothing else drives the transport, and returns an
-    # already completed (or failed) Work, even with ``async_op=True``. Ops still run
-    # in issue order: the engine runs queued ops in that order anyway, so this adds
-    # no wait that the engine would not have.
+    # already completed (or failed) Work. Ops still run in issue order: the engine
+    # runs queued ops in that order anyway, so this adds no wait that the engine
+    # would not have.
+    #
+    # An ``async_op=True`` collective runs here only if every peer is already inside
+    # it (``Steps.peers_inside``): then it finishes without anything the caller does
+    # next. Otherwise it goes to the worker, because a peer may need what the caller
+    # does next (a send, a collective on another group) before it joins this one.
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                    run: Callable[[Comm], None]) -> Work:
-        if self._broken is None:
+                    run: Callable[[Comm], None], async_op: bool) -> Work:
+        if self._broken is None and (not async_op or self._transport.steps.peers_inside()):
             work = self._inline(op_name, outputs, fingerprint, run)
             if work is not None:
                 return work
-        return super()._collective(op_name, outputs, fingerprint, run)
+        return super()._collective(op_name, outputs, fingerprint, run, async_op)
 
-    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                  async_op: bool = False) -> Work:
         """A single-tensor all-reduce (not PREMUL_SUM) runs from a cached plan: its
         reduce-op translation and fingerprint cost more than a small op's data."""
-        if len(tensors) == 1 and self._broken is None:
+        if len(tensors) == 1 and self._broken is None and (not async_op or self._transport.steps.peers_inside()):
             tensor = tensors[0]
             plan = memo(self._plans, (op, tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
                         tensor.numel())
@@ -115,7 +121,7 @@ class ShmBackend(TcpBackend):
                 work = self._inline("allreduce", tensors, fingerprint, shm_direct.allreduce, flat, combine, finish)
                 if work is not None:
                     return work
-        return super().allreduce(tensors, op)
+        return super().allreduce(tensors, op, async_op=async_op)
 
     def _plan(self, op: ReduceOp, dtype: torch.dtype, numel: int) -> tuple | None:
         """(fingerprint, combiner, finisher) of a single-tensor all-reduce; None for PREMUL_SUM."""

@@ -16,11 +16,16 @@ an ABORT carrying the message to every peer, so every rank raises, naming the op
 the sequence number and the ranks involved. A broken group fails queued ops and
 raises at once on every later call, with the original error as the cause.
 
-Point-to-point ops are queued like collectives (so they are posted in issue
-order) but only *post* their transfer when run: an ``irecv`` never blocks the ops
-behind it. They carry the current sequence number but do not advance it.
-Timeouts: a collective fails ``timeout`` after it starts; a P2P op ``timeout``
-after it was posted (the worker enforces it while nobody waits).
+An ``async_op=True`` collective wakes the engine's worker, so it progresses
+while the caller does anything else (a peer may need it before it can join what
+the caller does next); a synchronous one runs on the caller's thread when it
+waits.
+
+Point-to-point ops are *posted* when issued, not queued behind the collectives
+issued before them (``Engine.post``): a peer may need the send before it joins
+those. They carry the current sequence number but do not advance it. Timeouts: a
+collective fails ``timeout`` after it starts; a P2P op ``timeout`` after it was
+posted (the worker enforces it while nobody waits).
 
 This module is the one backend over ``Transport``; a backend for another
 transport (shared memory) subclasses it and overrides ``_connect``.
@@ -132,7 +137,7 @@ class TcpBackend(ProcessGroupBackend):
 
     # -- issuing ops -------------------------------------------------------------------
     def _issue_op(self, op_name: str, outputs: list[torch.Tensor], collective: bool,
-                  body: Callable[[_OpWork, int], None], nbytes: int = 0) -> Work:
+                  body: Callable[[_OpWork, int], None], nbytes: int = 0, async_op: bool = False) -> Work:
         if self._broken is not None:
             raise DistBackendError(
                 f"{self._label}: {self._me()} cannot run {op_name}: the group is broken by an earlier "
@@ -150,21 +155,24 @@ class TcpBackend(ProcessGroupBackend):
 
         with self._issue:
             seq = self.seq
-            if collective:
-                self.seq += 1
+            if not collective:
+                self._engine.post(EngineOp(execute, work._fail))
+                return work
+            self.seq += 1
             work._engine_op = EngineOp(execute, work._fail)
-            # Large ops start on the worker at once, to overlap with the caller's compute;
-            # small ones run on the caller's thread when it waits (see Engine.submit).
-            self._engine.submit(work._engine_op, wake=nbytes >= _WAKE_BYTES)
+            # Async and large ops start on the worker at once: async ones must progress
+            # without the caller, large ones overlap with its compute. Small synchronous
+            # ones run on the caller's thread when it waits (see Engine.submit).
+            self._engine.submit(work._engine_op, wake=async_op or nbytes >= _WAKE_BYTES)
         return work
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                    run: Callable[[Comm], None]) -> Work:
+                    run: Callable[[Comm], None], async_op: bool) -> Work:
         def body(work: _OpWork, seq: int) -> None:
             deadline = time.monotonic() + self._seconds
             run(Comm(self._transport, seq, fingerprint, deadline, self._scratch))
         nbytes = sum(t.numel() * t.element_size() for t in outputs)
-        return self._issue_op(op_name, outputs, True, body, nbytes)
+        return self._issue_op(op_name, outputs, True, body, nbytes, async_op)
 
     def _help(self, work: _OpWork) -> None:
         """Called by ``Work.wait`` on the caller's thread: run or drive the op if we can."""
@@ -232,12 +240,12 @@ class TcpBackend(ProcessGroupBackend):
         premul = factor if kind is RedOpType.PREMUL_SUM else None
         return int(kind), combiner(name, dtype), premul, kind is RedOpType.AVG
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.BROADCAST, tensor.dtype, tensor.numel(), root)
         return self._collective("broadcast", [tensor], fingerprint,
-                                lambda comm: self._algorithms.broadcast(comm, tensor.view(-1), root))
+                                lambda comm: self._algorithms.broadcast(comm, tensor.view(-1), root), async_op)
 
-    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
         dtype = tensors[0].dtype
         code, combine, premul, is_avg = self._reduction(op, dtype)
         kind = OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED
@@ -254,9 +262,9 @@ class TcpBackend(ProcessGroupBackend):
                 for t in tensors:
                     t.view(-1).copy_(flat[offset:offset + t.numel()])
                     offset += t.numel()
-        return self._collective("allreduce", tensors, fingerprint, run)
+        return self._collective("allreduce", tensors, fingerprint, run, async_op)
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM) -> Work:
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
         code, combine, premul, is_avg = self._reduction(op, tensor.dtype)
         fingerprint = OpFingerprint.of(OpKind.REDUCE, tensor.dtype, tensor.numel(), root, code)
 
@@ -267,51 +275,56 @@ class TcpBackend(ProcessGroupBackend):
             self._algorithms.reduce(comm, flat, root, combine)
             if is_avg and comm.rank == root:
                 average(flat, comm.size)
-        return self._collective("reduce", [tensor], fingerprint, run)
+        return self._collective("reduce", [tensor], fingerprint, run, async_op)
 
-    def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
+    def allgather(self, outputs: list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.ALLGATHER, input.dtype, sum(t.numel() for t in outputs))
 
         def run(comm: Comm) -> None:
             pieces = [t.view(-1) for t in outputs]
             pieces[comm.rank].copy_(input.view(-1))
             self._algorithms.allgather(comm, pieces)
-        return self._collective("allgather", outputs, fingerprint, run)
+        return self._collective("allgather", outputs, fingerprint, run, async_op)
 
-    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.ALLGATHER_INTO_TENSOR, input.dtype, output.numel())
 
         return self._collective("allgather_into_tensor", [output], fingerprint,
-                                lambda comm: self._algorithms.allgather_into(comm, output.view(-1), input.view(-1)))
+                                lambda comm: self._algorithms.allgather_into(comm, output.view(-1), input.view(-1)),
+                                async_op)
 
-    def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int) -> Work:
+    def gather(self, outputs: list[torch.Tensor] | None, input: torch.Tensor, root: int, *,
+               async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.GATHER, input.dtype, input.numel(), root)
         flat_outputs = [t.view(-1) for t in outputs] if outputs else None
         return self._collective("gather", list(outputs or []), fingerprint,
-                                lambda comm: self._algorithms.gather(comm, flat_outputs, input.view(-1), root))
+                                lambda comm: self._algorithms.gather(comm, flat_outputs, input.view(-1), root),
+                                async_op)
 
-    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
+    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int, *,
+                async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.SCATTER, output.dtype, output.numel(), root)
         flat_inputs = [t.reshape(-1) for t in inputs] if inputs else None
         return self._collective("scatter", [output], fingerprint,
-                                lambda comm: self._algorithms.scatter(comm, output.view(-1), flat_inputs, root))
+                                lambda comm: self._algorithms.scatter(comm, output.view(-1), flat_inputs, root),
+                                async_op)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor],
-                       op: ReduceOp = ReduceOp.SUM) -> Work:
+                       op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
         numel = sum(t.numel() for t in inputs)
         return self._reduce_scatter("reduce_scatter", OpKind.REDUCE_SCATTER, output,
-                                    lambda: [t.reshape(-1) for t in inputs], numel, op)
+                                    lambda: [t.reshape(-1) for t in inputs], numel, op, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                              op: ReduceOp = ReduceOp.SUM) -> Work:
+                              op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
         def chunks() -> list[torch.Tensor]:
             flat, m = input.view(-1), output.numel()  # the API checked: input = size x output
             return [flat[i * m:(i + 1) * m] for i in range(self._size)]
         return self._reduce_scatter("reduce_scatter_tensor", OpKind.REDUCE_SCATTER_TENSOR, output,
-                                    chunks, input.numel(), op)
+                                    chunks, input.numel(), op, async_op)
 
     def _reduce_scatter(self, op_name: str, kind: OpKind, output: torch.Tensor,
-                        chunks: Callable[[], list[torch.Tensor]], numel: int, op: ReduceOp) -> Work:
+                        chunks: Callable[[], list[torch.Tensor]], numel: int, op: ReduceOp, async_op: bool) -> Work:
         code, combine, premul, is_avg = self._reduction(op, output.dtype)
         fingerprint = OpFingerprint.of(kind, output.dtype, numel, -1, code)
 
@@ -323,15 +336,15 @@ class TcpBackend(ProcessGroupBackend):
             self._algorithms.reduce_scatter(comm, pieces, combine, flat)
             if is_avg:
                 average(flat, comm.size)
-        return self._collective(op_name, [output], fingerprint, run)
+        return self._collective(op_name, [output], fingerprint, run, async_op)
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.ALLTOALL, inputs[0].dtype if inputs else None)
         return self._collective("alltoall", outputs, fingerprint, lambda comm: self._algorithms.alltoall(
-            comm, [t.view(-1) for t in outputs], [t.reshape(-1) for t in inputs]))
+            comm, [t.view(-1) for t in outputs], [t.reshape(-1) for t in inputs]), async_op)
 
-    def barrier(self) -> Work:
-        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier)
+    def barrier(self, *, async_op: bool = False) -> Work:
+        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier, async_op)
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
