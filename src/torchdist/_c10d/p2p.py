@@ -41,29 +41,41 @@ def _peer(pg: ProcessGroup, op: str, rank: int | None, group_rank: int | None, r
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to ``dst``; the Work completes once it is handed off."""
-    pg = member_group(group, "isend")
-    if pg is None:
-        return None
-    check_tensor("isend", tensor)
-    peer = _peer(pg, "isend", dst, group_dst, "dst")
-    return pg.backend.send(Staging().input(tensor), peer, tag)
+    return _post_send(tensor, dst, group, tag, group_dst, async_op=True)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from ``src`` (None: from any rank)."""
+    return _post_recv(tensor, src, group, tag, group_src, async_op=True)
+
+
+def _post_send(tensor: torch.Tensor, dst: int | None, group, tag: int, group_dst: int | None,
+               async_op: bool) -> Work | None:
+    """``isend``; ``async_op=False``: the caller waits next (``send``) and drives it itself."""
+    pg = member_group(group, "isend")
+    if pg is None:
+        return None
+    check_tensor("isend", tensor)
+    peer = _peer(pg, "isend", dst, group_dst, "dst")
+    return pg.backend.send(Staging().input(tensor), peer, tag, async_op=async_op)
+
+
+def _post_recv(tensor: torch.Tensor, src: int | None, group, tag: int, group_src: int | None,
+               async_op: bool) -> Work | None:
+    """``irecv``; ``async_op=False``: the caller waits next (``recv``) and drives it itself."""
     pg = member_group(group, "irecv")
     if pg is None:
         return None
     check_tensor("irecv", tensor)
     peer = None if src is None and group_src is None else _peer(pg, "irecv", src, group_src, "src")
     stage = Staging()
-    return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag), async_op=True)
+    return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag, async_op=async_op), async_op=True)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
          group_dst: int | None = None) -> None:
-    work = isend(tensor, dst, group, tag, group_dst)
+    work = _post_send(tensor, dst, group, tag, group_dst, async_op=False)
     if work is not None:
         work.wait()
 
@@ -71,7 +83,7 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into ``tensor``; returns the sender's global rank (-1 for a non-member)."""
-    work = irecv(tensor, src, group, tag, group_src)
+    work = _post_recv(tensor, src, group, tag, group_src, async_op=False)
     if work is None:
         return -1
     work.wait()

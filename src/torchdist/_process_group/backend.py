@@ -16,7 +16,8 @@ caller simply waits on it. A collective called with ``async_op=True`` (PyTorch's
 worker threads make it: a peer may need it done before it joins what this caller
 does next. Without it the backend may run the op when the caller waits, on the
 caller's thread. Point-to-point ops are always posted at once, whatever is queued
-before them. Methods a backend does not override raise a ``RuntimeError`` naming
+before them; ``async_op=False`` there means the caller waits next (``send``,
+``recv``) and drives the transfer itself. Methods a backend does not override raise a ``RuntimeError`` naming
 the backend and the op.
 """
 
@@ -114,10 +115,10 @@ class ProcessGroupBackend:
         raise self._unsupported("barrier")
 
     # -- point to point ----------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, async_op: bool = False) -> Work:
         raise self._unsupported("send")
 
-    def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int, *, async_op: bool = False) -> Work:
         """``src=None`` receives from any rank; the Work's source_rank() tells which."""
         raise self._unsupported("recv")
 

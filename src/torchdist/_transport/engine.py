@@ -97,10 +97,15 @@ class Engine:
         if driving:  # the worker may be blocked in progress() on pending transfers
             self.transport.interrupt()
 
-    def post(self, op: EngineOp) -> None:
+    def post(self, op: EngineOp, caller_waits: bool) -> None:
         """Run ``op`` (it posts transfers) now on this thread if nobody drives the
         transport, whatever is queued; else hand it to the driver, which runs it at
-        its next poll or when it lets go of the transport."""
+        its next poll or when it lets go of the transport.
+
+        ``caller_waits``: the caller waits on the op next and drives its transfers
+        itself (a blocking send or recv), so they do not wake the worker: a hand-off
+        to it and back costs two thread wake-ups (measured on shared memory: 8-byte
+        ping-pong 60 us one way that way, 34 us without)."""
         with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the engine is closed")
@@ -119,7 +124,7 @@ class Engine:
         try:
             self._execute(op)
         finally:
-            self.release()
+            self.release(leave_pending=caller_waits)
 
     def _run_posts(self) -> None:
         """On the driving thread: run the ops that ``post`` handed over."""
@@ -201,13 +206,15 @@ class Engine:
         finally:
             self.release()
 
-    def release(self) -> None:
-        """Give the transport back (after ``take`` or a run); the worker takes over leftovers."""
+    def release(self, leave_pending: bool = False) -> None:
+        """Give the transport back (after ``take`` or a run); the worker takes over
+        leftovers, except pending transfers with ``leave_pending`` (the caller drives them)."""
         if self._posts:
             self._run_posts()
         with self._mutex:
             self._busy = False
-            if self._has_work() and not self._closed:
+            leftovers = self._queue or self._posts or (not leave_pending and self._has_work())
+            if leftovers and not self._closed:
                 # leftovers (async ops, posts handed over since the drain above, pending
                 # transfers): the worker takes over
                 self._wake_worker()

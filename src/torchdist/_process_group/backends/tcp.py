@@ -156,7 +156,7 @@ class TcpBackend(ProcessGroupBackend):
         with self._issue:
             seq = self.seq
             if not collective:
-                self._engine.post(EngineOp(execute, work._fail))
+                self._engine.post(EngineOp(execute, work._fail), caller_waits=not async_op)
                 return work
             self.seq += 1
             work._engine_op = EngineOp(execute, work._fail)
@@ -347,14 +347,14 @@ class TcpBackend(ProcessGroupBackend):
         return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier, async_op)
 
     # -- point to point ----------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        return self._point_to_point("send", tensor, dst, tag, True)
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, async_op: bool = False) -> Work:
+        return self._point_to_point("send", tensor, dst, tag, True, async_op)
 
-    def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
-        return self._point_to_point("recv", tensor, src, tag, False)
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int, *, async_op: bool = False) -> Work:
+        return self._point_to_point("recv", tensor, src, tag, False, async_op)
 
     def _point_to_point(self, op_name: str, tensor: torch.Tensor, peer: int | None, tag: int,
-                        is_send: bool) -> Work:
+                        is_send: bool, async_op: bool) -> Work:
         def body(work: _OpWork, seq: int) -> None:
             view = byte_view(tensor)
             if is_send:
@@ -374,7 +374,7 @@ class TcpBackend(ProcessGroupBackend):
                 done(transfer)
             else:
                 self._p2p.append(work)
-        return self._issue_op(op_name, [tensor], False, body, tensor.numel() * tensor.element_size())
+        return self._issue_op(op_name, [tensor], False, body, tensor.numel() * tensor.element_size(), async_op)
 
     def _drive_p2p(self, work: _OpWork) -> None:
         try:
