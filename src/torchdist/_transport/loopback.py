@@ -198,10 +198,8 @@ class LoopbackTransport(Transport):
             reason = payload.decode("utf-8", "replace")
             self._fail_locked(DistBackendError(f"{self.fabric.label}: rank {self.rank}: the group was "
                                                f"aborted by rank {src}: {reason}"), False)
-        elif header[KIND] == MsgKind.COLL:
-            self._matcher.coll_early[src].append((header, payload))
         else:
-            self._matcher.p2p_early.append((src, header, payload))
+            self._matcher.keep(src, header, payload)
 
     # -- driving ----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:

@@ -51,7 +51,8 @@ class Matcher:
 
     def __init__(self, size: int) -> None:
         self.coll_posted: list[deque[Transfer]] = [deque() for _ in range(size)]
-        # Filled only while draining a peer that hung up: (header, payload).
+        # Filled only while draining a peer that hung up, or while a P2P receive could be
+        # behind a collective message (``p2p_waits_on``): (header, payload).
         self.coll_early: list[deque[tuple[tuple, bytes]]] = [deque() for _ in range(size)]
         self.p2p_posted: list[Transfer] = []
         self.p2p_early: deque[tuple[int, tuple, bytes]] = deque()
@@ -74,6 +75,13 @@ class Matcher:
                 return header, payload
         self.p2p_posted.append(transfer)
         return None
+
+    def keep(self, peer: int, header: tuple, payload: bytes) -> None:
+        """Store a message that arrived before its receive, for ``post`` to hand over."""
+        if header[KIND] == MsgKind.COLL:
+            self.coll_early[peer].append((header, payload))
+        else:
+            self.p2p_early.append((peer, header, payload))
 
     def match(self, peer: int, header: tuple) -> Transfer | None:
         """The posted receive for an arriving COLL/P2P header, or None (COLL: park; P2P: keep)."""
@@ -119,3 +127,19 @@ def check_match(label: str, names: list[int], rank: int, transfer: Transfer, pee
             f"{names[rank]}'s recv expects {transfer.nbytes} bytes; send and recv tensors must have the "
             "same size and dtype."
         )
+
+
+def deliver_early(transport, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:
+    """Complete a receive with a message already read into memory. On a mismatch, break
+    ``transport`` (a TCP or shared-memory transport: ``label``, ``names``, ``rank``,
+    ``fail``) and fail ``transfer``, which, matched, is no longer posted for ``fail`` to see."""
+    try:
+        check_match(transport.label, transport.names, transport.rank, transfer, transfer.source, header)
+    except DistBackendError as exc:
+        transport.fail(exc)
+        transfer.finish(exc)
+        return
+    transfer.view[:] = payload
+    if transfer.on_data is not None:
+        transfer.on_data(transfer.nbytes)
+    transfer.finish()

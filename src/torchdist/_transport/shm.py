@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError
 from .base import PeerTimeout, Transfer, Transport
 from .framing import HEADER, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, TAG, Matcher, check_match
+from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early
 from .shm_board import Board
 from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
@@ -156,16 +156,9 @@ class ShmTransport(Transport):
         early = self._matcher.post(transfer)
         self._activity += 1
         if early is not None:
-            header, data = early
-            try:
-                check_match(self.label, self.names, self.rank, transfer, transfer.source, header)
-            except DistBackendError as exc:
-                self.fail(exc)
-                raise
-            transfer.view[:] = data
-            if on_data is not None:
-                on_data(transfer.nbytes)
-            transfer.finish()
+            deliver_early(self, transfer, *early)
+            if transfer.error is not None:
+                raise transfer.error
         elif kind == MsgKind.COLL:
             channel = self._in[peer]
             if channel.parked is not None:  # the peer's message was waiting for this receive
@@ -371,21 +364,9 @@ class ShmTransport(Transport):
         streamed in, else keep it for a later one."""
         transfer = self._matcher.match(peer, header)
         if transfer is None:
-            if header[KIND] == MsgKind.COLL:
-                self._matcher.coll_early[peer].append((header, payload))
-            else:
-                self._matcher.p2p_early.append((peer, header, payload))
-            return
-        try:
-            check_match(self.label, self.names, self.rank, transfer, peer, header)
-        except DistBackendError as exc:
-            self.fail(exc)
-            transfer.finish(exc)  # matched, hence no longer posted: fail() did not see it
-            return
-        transfer.view[:] = payload
-        if transfer.on_data is not None:
-            transfer.on_data(transfer.nbytes)
-        transfer.finish()
+            self._matcher.keep(peer, header, payload)
+        else:
+            deliver_early(self, transfer, header, payload)
 
     def _unpark(self, channel: _In) -> None:
         """A P2P receive was posted: read the parked collective message into memory, so

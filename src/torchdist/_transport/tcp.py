@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout, Transfer, Transport
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match
+from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early
 
 __all__ = ["TcpTransport"]
 
@@ -142,7 +142,7 @@ class TcpTransport(Transport):
         transfer = Transfer(False, kind, peer, seq, fingerprint, tag, payload, on_data)
         early = self._matcher.post(transfer)
         if early is not None:
-            self._deliver_early(transfer, *early)
+            deliver_early(self, transfer, *early)
             if transfer.error is not None:
                 raise transfer.error
         elif peer is None:
@@ -165,19 +165,6 @@ class TcpTransport(Transport):
             else:
                 self._unpark(channel)
         return transfer
-
-    def _deliver_early(self, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:
-        """Complete a receive with a message already read into memory (fail it on a mismatch)."""
-        try:
-            check_match(self.label, self.names, self.rank, transfer, transfer.source, header)
-        except DistBackendError as exc:
-            self.fail(exc)
-            transfer.finish(exc)  # matched, hence no longer posted: fail() did not see it
-            return
-        transfer.view[:] = payload
-        if transfer.on_data is not None:
-            transfer.on_data(transfer.nbytes)
-        transfer.finish()
 
     # -- driving -----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
@@ -399,11 +386,9 @@ class TcpTransport(Transport):
             # early messages nor as a new header: it takes the message now.
             target = self._matcher.match(peer, header)
             if target is not None:
-                self._deliver_early(target, header, transfer.view)
-            elif header[KIND] == MsgKind.COLL:
-                self._matcher.coll_early[peer].append((header, bytes(transfer.view)))
+                deliver_early(self, target, header, transfer.view)
             else:
-                self._matcher.p2p_early.append((peer, header, bytes(transfer.view)))
+                self._matcher.keep(peer, header, bytes(transfer.view))
         return done
 
     def _advance(self, channel: _Channel, n: int) -> None:

@@ -31,7 +31,7 @@ from ..._transport.base import Transport
 from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
 from ..reduce_op import ReduceOp
-from ..work import Work, WorkState
+from ..work import Work
 from .tcp import TcpBackend, memo
 
 __all__ = ["ShmBackend", "exchange_hosts", "describe_hosts"]
