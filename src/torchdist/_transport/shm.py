@@ -15,8 +15,9 @@ common ones.
   store ``tail``, which frees room for the sender.
 - *parking*: a COLL header with no receive posted means the sender is ahead: we
   leave it in the ring (the sender is throttled when the ring fills) until a
-  receive is posted. Unmatched P2P messages are read into memory so that they
-  never block collective traffic behind them.
+  receive is posted, unless a posted P2P receive could be behind it (then it is
+  read into memory; ``Matcher.p2p_waits_on``). Unmatched P2P messages are read
+  into memory so that they never block collective traffic behind them.
 - *aborts* are not messages: a broken rank publishes a negative step counter and
   its reason on the board, which every waiter checks.
 - *waiting*: poll, then sleep on the doorbell, checking deadlines and the
