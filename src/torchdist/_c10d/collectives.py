@@ -317,12 +317,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None) -> Work | None:
-    """Block until every rank of the group has arrived (and all earlier ops have finished)."""
+    """Block until every rank of the group has arrived (and all earlier ops have finished).
+
+    ``timeout``: the barrier's own limit (default: the group's); past it, the barrier
+    fails naming the ranks that did not arrive, and the group is broken."""
     pg = member_group(group, "barrier")
     if pg is None:
         return None
-    work = pg.backend.barrier(async_op=async_op)
+    work = pg.backend.barrier(async_op=async_op, timeout=timeout)
     if async_op:
         return work
-    work.wait(timeout)
+    work.wait()
     return None

@@ -111,7 +111,8 @@ class ProcessGroupBackend:
         """outputs[j] receives rank j's inputs[rank]."""
         raise self._unsupported("alltoall")
 
-    def barrier(self, *, async_op: bool = False) -> Work:
+    def barrier(self, *, async_op: bool = False, timeout: timedelta | None = None) -> Work:
+        """``timeout``: the op's own (PyTorch's ``BarrierOptions.timeout``); None: the group's."""
         raise self._unsupported("barrier")
 
     # -- point to point ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -103,9 +104,14 @@ class Work:
         group's own) raises ``DistBackendError`` if the op is still running then.
         """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        return self._wait_until(seconds, time.monotonic() + seconds if seconds else None)
+
+    def _wait_until(self, seconds: float | None, until: float | None) -> bool:
+        """``wait`` with its limit as a ``time.monotonic()`` value (None: no limit)."""
         # is_set() first: a finished op (the usual case for a synchronous call) skips the
         # Event's lock, a microsecond of a 16 us all-reduce.
-        if not self._done.is_set() and not self._done.wait(seconds if seconds else None):
+        if not self._done.is_set() and not self._done.wait(None if until is None else
+                                                           max(until - time.monotonic(), 0.0)):
             raise DistBackendError(
                 f"Work.wait: {self.op_name} did not complete within {seconds:.3f}s; the operation "
                 "is still in flight. Wait longer, or check that every rank called it."

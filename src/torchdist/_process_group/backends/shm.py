@@ -100,12 +100,12 @@ class ShmBackend(TcpBackend):
     # does next (a send, a collective on another group) before it joins this one.
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                    run: Callable[[Comm], None], async_op: bool) -> Work:
+                    run: Callable[[Comm], None], async_op: bool, seconds: float | None = None) -> Work:
         if self._broken is None and (not async_op or self._transport.steps.peers_inside()):
-            work = self._inline(op_name, outputs, fingerprint, run)
+            work = self._inline(op_name, outputs, fingerprint, run, seconds=seconds)
             if work is not None:
                 return work
-        return super()._collective(op_name, outputs, fingerprint, run, async_op)
+        return super()._collective(op_name, outputs, fingerprint, run, async_op, seconds)
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                   async_op: bool = False) -> Work:
@@ -132,8 +132,10 @@ class ShmBackend(TcpBackend):
                 Average(self._size) if is_avg else None)
 
     def _inline(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                run: Callable[..., None], *args) -> Work | None:
-        """``run(comm, *args)`` now on this thread if the engine is idle; None if it is not."""
+                run: Callable[..., None], *args, seconds: float | None = None) -> Work | None:
+        """``run(comm, *args)`` now on this thread if the engine is idle; None if it is not.
+        ``seconds``: the op's timeout, if not the group's."""
+        limit = self._seconds if seconds is None else seconds
         error = None
         with self._issue:  # the sequence number and the engine are taken together
             if not self._engine.take():
@@ -141,7 +143,7 @@ class ShmBackend(TcpBackend):
             seq = self.seq
             self.seq = seq + 1
             try:
-                run(Comm(self._transport, seq, fingerprint, time.monotonic() + self._seconds, self._scratch), *args)
+                run(Comm(self._transport, seq, fingerprint, time.monotonic() + limit, self._scratch), *args)
             except BaseException as exc:  # noqa: BLE001 - becomes the Work's error below
                 error = exc
             finally:
@@ -149,5 +151,5 @@ class ShmBackend(TcpBackend):
         if error is None:
             return Work.completed(op_name, outputs)
         work = Work(op_name, outputs)
-        work._fail(self._failure(error, op_name, seq))
+        work._fail(self._failure(error, op_name, seq, seconds))
         return work

@@ -75,9 +75,12 @@ class _OpWork(Work):
         self._deadline: float | None = None
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        if not self._done.is_set():
-            self._backend._help(self)
-        return super().wait(timeout)
+        if self._done.is_set():
+            return super().wait()
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        until = time.monotonic() + seconds if seconds else None
+        self._backend._help(self, until)
+        return self._wait_until(seconds, until)
 
     def is_completed(self) -> bool:
         if not self._done.is_set():
@@ -137,7 +140,9 @@ class TcpBackend(ProcessGroupBackend):
 
     # -- issuing ops -------------------------------------------------------------------
     def _issue_op(self, op_name: str, outputs: list[torch.Tensor], collective: bool,
-                  body: Callable[[_OpWork, int], None], nbytes: int = 0, async_op: bool = False) -> Work:
+                  body: Callable[[_OpWork, int], None], nbytes: int = 0, async_op: bool = False,
+                  seconds: float | None = None) -> Work:
+        """Queue (collective) or post (P2P) ``body``; ``seconds``: its timeout, if not the group's."""
         if self._broken is not None:
             raise DistBackendError(
                 f"{self._label}: {self._me()} cannot run {op_name}: the group is broken by an earlier "
@@ -148,7 +153,7 @@ class TcpBackend(ProcessGroupBackend):
             try:
                 body(work, seq)
             except BaseException as exc:  # noqa: BLE001 - every failure fails the Work
-                work._fail(self._failure(exc, op_name, seq if collective else None))
+                work._fail(self._failure(exc, op_name, seq if collective else None, seconds))
             else:
                 if work._transfer is None:
                     work._complete()
@@ -167,26 +172,35 @@ class TcpBackend(ProcessGroupBackend):
         return work
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
-                    run: Callable[[Comm], None], async_op: bool) -> Work:
-        def body(work: _OpWork, seq: int) -> None:
-            deadline = time.monotonic() + self._seconds
-            run(Comm(self._transport, seq, fingerprint, deadline, self._scratch))
-        nbytes = sum(t.numel() * t.element_size() for t in outputs)
-        return self._issue_op(op_name, outputs, True, body, nbytes, async_op)
+                    run: Callable[[Comm], None], async_op: bool, seconds: float | None = None) -> Work:
+        limit = self._seconds if seconds is None else seconds
 
-    def _help(self, work: _OpWork) -> None:
-        """Called by ``Work.wait`` on the caller's thread: run or drive the op if we can."""
+        def body(work: _OpWork, seq: int) -> None:
+            run(Comm(self._transport, seq, fingerprint, time.monotonic() + limit, self._scratch))
+        nbytes = sum(t.numel() * t.element_size() for t in outputs)
+        return self._issue_op(op_name, outputs, True, body, nbytes, async_op, seconds)
+
+    def _help(self, work: _OpWork, until: float | None) -> None:
+        """Called by ``Work.wait`` on the caller's thread: run or drive the op if we can.
+
+        A P2P transfer is driven until it is done or the wait's own limit ``until``
+        passes (then it stays posted and the worker drives it). A collective run here
+        runs to its end: stopping one midway would break the group."""
         op = work._engine_op
         if op is not None and not op.started:
             self._engine.run_now(op)
         if work._done.is_set():
             return
-        if work._transfer is None or not self._engine.drive(work._done.is_set, lambda: self._drive_p2p(work)):
+        if work._transfer is None or not self._engine.drive(
+                lambda: work._done.is_set() or (until is not None and time.monotonic() >= until),
+                lambda: self._drive_p2p(work, until)):
             self._engine.kick()  # another thread drives, or ops are queued: the worker finishes it
 
     # -- failures ----------------------------------------------------------------------
-    def _failure(self, exc: BaseException, op_name: str, seq: int | None) -> BaseException:
-        """Turn ``exc`` (raised on the driving thread) into the op's error; break the group."""
+    def _failure(self, exc: BaseException, op_name: str, seq: int | None,
+                 seconds: float | None = None) -> BaseException:
+        """Turn ``exc`` (raised on the driving thread) into the op's error; break the group.
+        ``seconds``: the op's timeout, if not the group's."""
         where = f"{op_name} (collective #{seq})" if seq is not None else op_name
         if isinstance(exc, PeerTimeout):
             names = [self.global_ranks[p] for p in exc.peers if p not in exc.joined]
@@ -199,8 +213,9 @@ class TcpBackend(ProcessGroupBackend):
                 what = (f"ranks {joined} joined it but did not finish; they are waiting on other ranks "
                         "(see their errors)")
             error = DistBackendError(
-                f"{self._label}: {where} timed out after {self._seconds:.1f}s on {self._me()}: {what}. Check that "
-                "every rank calls the same collectives in the same order, or raise the group's timeout.")
+                f"{self._label}: {where} timed out after {self._seconds if seconds is None else seconds:.1f}s on "
+                f"{self._me()}: {what}. Check that every rank calls the same collectives in the same order, or "
+                f"raise the {'group' if seconds is None else 'op'}'s timeout.")
         elif isinstance(exc, DistError):
             error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: {exc}")
         else:
@@ -343,8 +358,9 @@ class TcpBackend(ProcessGroupBackend):
         return self._collective("alltoall", outputs, fingerprint, lambda comm: self._algorithms.alltoall(
             comm, [t.view(-1) for t in outputs], [t.reshape(-1) for t in inputs]), async_op)
 
-    def barrier(self, *, async_op: bool = False) -> Work:
-        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier, async_op)
+    def barrier(self, *, async_op: bool = False, timeout: timedelta | None = None) -> Work:
+        return self._collective("barrier", [], OpFingerprint.of(OpKind.BARRIER), self._algorithms.barrier, async_op,
+                                None if timeout is None else timeout.total_seconds())
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, async_op: bool = False) -> Work:
@@ -376,9 +392,14 @@ class TcpBackend(ProcessGroupBackend):
                 self._p2p.append(work)
         return self._issue_op(op_name, [tensor], False, body, tensor.numel() * tensor.element_size(), async_op)
 
-    def _drive_p2p(self, work: _OpWork) -> None:
+    def _drive_p2p(self, work: _OpWork, until: float | None = None) -> None:
+        """Drive ``work``'s transfer until its deadline, or ``until`` if that is sooner."""
+        caller_limit = until is not None and until < work._deadline
         try:
-            self._transport.wait([work._transfer], work._deadline)
+            self._transport.wait([work._transfer], until if caller_limit else work._deadline)
+        except PeerTimeout as exc:
+            if not caller_limit:  # else the caller's wait gave up, not the op: Work.wait says so
+                work._fail(self._failure(exc, work.op_name, None))
         except BaseException as exc:  # noqa: BLE001
             work._fail(self._failure(exc, work.op_name, None))
         self._p2p = [w for w in self._p2p if not w._done.is_set()]

@@ -1,0 +1,68 @@
+"""A caller's own time limits hold: ``Work.wait(timeout)`` on a receive, ``barrier(timeout=...)``.
+
+gloo raises at these limits (checked with torch 2.13: "Timed out waiting 1000ms for
+recv operation"); torchdist used to wait for the group's timeout (30 minutes by
+default) when the calling thread drove the receive or ran the barrier itself.
+"""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import torchdist as dist
+from torchdist.errors import DistBackendError
+from torchdist.testing import run_ranks
+
+BACKENDS = ["tcp", "shm", "auto"]
+
+
+def _late_send(rank: int, world: int):
+    dist.barrier()
+    t = torch.zeros(2)
+    if rank == 1:
+        time.sleep(2.0)
+        dist.send(torch.full((2,), 5.0), 0)
+        return None
+    work = dist.irecv(t, 1)
+    start = time.monotonic()
+    with pytest.raises(DistBackendError, match=r"recv did not complete within 0.500s; the operation is still"):
+        work.wait(timedelta(seconds=0.5))
+    gave_up = time.monotonic() - start
+    work.wait()  # still in flight: it completes once rank 1 sends
+    return gave_up, t.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recv_wait_gives_up_at_its_timeout_and_the_receive_stays_posted(backend: str) -> None:
+    gave_up, got = run_ranks(_late_send, 2, backend=backend, timeout=60)[0]
+    assert 0.5 <= gave_up < 1.5
+    assert got == [5.0, 5.0]
+
+
+def _late_barrier(rank: int, world: int):
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(2.0)
+    start = time.monotonic()
+    try:
+        dist.barrier(timeout=timedelta(seconds=0.5))
+    except DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    # The late rank: everyone did arrive, so on shared memory its barrier may pass (the
+    # others published their arrival before they gave up); the group is broken anyway.
+    with pytest.raises(DistBackendError, match="aborted by rank|broken"):
+        dist.all_reduce(torch.ones(1))
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_barrier_timeout_names_the_rank_that_did_not_arrive(backend: str) -> None:
+    results = run_ranks(_late_barrier, 3, backend=backend, timeout=60)
+    for message, elapsed in results[:2]:
+        assert "barrier (collective #1) timed out after 0.5s" in message
+        assert "ranks [2] did not arrive" in message
+        assert elapsed < 1.5
+    late_message, _ = results[2]
+    assert late_message is None or "barrier" in late_message
