@@ -105,7 +105,7 @@ class Engine:
         ``caller_waits``: the caller waits on the op next and drives its transfers
         itself (a blocking send or recv), so they do not wake the worker: a hand-off
         to it and back costs two thread wake-ups (measured on shared memory: 8-byte
-        ping-pong 60 us one way that way, 34 us without)."""
+        ping-pong 65 us one way that way, 32 us without; benchmarks/bench_p2p.py)."""
         with self._mutex:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the engine is closed")
