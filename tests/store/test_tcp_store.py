@@ -31,7 +31,7 @@ from typing import Iterator
 import pytest
 
 from torchdist._auth import AuthenticationError
-from torchdist._store import wire
+from torchdist._store import tcp_server, wire
 from torchdist._store.tcp_store import TCPStore
 from torchdist._store.wire import HEADER, HELLO_BODY, U32, Op, Status
 from torchdist.errors import DistNetworkError, DistStoreError
@@ -466,6 +466,21 @@ def test_hostile_peer_is_dropped_and_others_are_served(master: TCPStore, client:
     assert fresh.add("fresh", 1) == 1
     fresh.close()
     blocked.close()
+    assert master._server.running
+
+
+def test_silent_connections_are_dropped_after_the_handshake_deadline(master: TCPStore, client: TCPStore,
+                                                                      monkeypatch) -> None:
+    monkeypatch.setattr(tcp_server, "_HANDSHAKE_S", 0.5)
+    silent, half = _raw(master.port), _raw(master.port)
+    half.sendall(wire.frame(Op.HELLO, HELLO_BODY.pack(wire.MAGIC, wire.VERSION, 1))[:7])  # never finished
+    idle = TCPStore(HOST, master.port, timeout=SECOND)  # past the handshake: may stay idle
+    start = time.monotonic()
+    assert _dropped(silent) and _dropped(half)
+    assert time.monotonic() - start < 3
+    time.sleep(0.6)
+    assert idle.add("idle", 1) == 1 and client.get("idle") == b"1"
+    idle.close()
     assert master._server.running
 
 

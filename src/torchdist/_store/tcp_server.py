@@ -17,6 +17,9 @@ over :data:`~torchdist._store.wire.MAX_FRAME`, a malformed body, a request while
 it waits) is logged and disconnected; every other failure in a handler is caught
 the same way, so no peer can stop the loop. A peer that does not read its replies
 stops being read until they drain, which bounds what it can make the server buffer.
+A connection that has not finished the handshake :data:`_HANDSHAKE_S` after it was
+accepted is dropped, so silent peers (a port scan, a hung client) cannot pile up
+descriptors; a client past the handshake may stay idle as long as it likes.
 
 Servers are shared in-process through a small registry (:func:`acquire_server`,
 :func:`release_server`): ``multi_tenant`` stores asking for the same port share one
@@ -42,6 +45,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 
 from .._auth import AuthenticationError, ServerHandshake
 from ..errors import DistNetworkError
@@ -57,6 +61,8 @@ _RECV_SIZE = 256 * 1024
 _BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _WAKE = object()  # selector data of the socket that interrupts select() on stop()
 _KEY_LENGTHS = struct.Struct("<II")  # COMPARE_SET: key and expected lengths
+#: Seconds a connection may take to finish the handshake (HELLO, AUTH) after accept.
+_HANDSHAKE_S = 60.0
 
 _OK = HEADER.pack(1, Status.OK)
 _CANCELLED = HEADER.pack(1, Status.CANCELLED)
@@ -129,6 +135,9 @@ class TCPServer:
         self._waiters: dict[str, dict[_Waiter, None]] = {}  # dict: ordered set, O(1) removal
         self._changed: list[str] = []
         self._conns: set[_Conn] = set()
+        # Accepted connections still in the handshake, with their deadlines, oldest first
+        # (every deadline is accept time + _HANDSHAKE_S, so the order is the deadlines').
+        self._handshaking: deque[tuple[float, _Conn]] = deque()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
@@ -183,7 +192,10 @@ class TCPServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         log.debug("TCPStore server listening on port %d", self.port)
         while not self._stopping:
-            for key, mask in select():
+            timeout = None
+            if self._handshaking:
+                timeout = max(self._handshaking[0][0] - time.monotonic(), 0.0)
+            for key, mask in select(timeout):
                 conn = key.data
                 try:
                     if conn is None:
@@ -201,6 +213,21 @@ class TCPServer:
                         self._close(conn)
                 if self._changed:
                     self._wake_waiters()
+            if self._handshaking:
+                self._drop_silent()
+
+    def _drop_silent(self) -> None:
+        """Close connections whose handshake deadline passed; forget finished ones."""
+        now, queue = time.monotonic(), self._handshaking
+        while queue:
+            deadline, conn = queue[0]
+            if conn.sock is not None and not conn.ready:
+                if deadline > now:
+                    return
+                log.warning("TCPStore server: dropping client %r: no handshake within %.0f s", conn.peer,
+                            _HANDSHAKE_S)
+                self._close(conn)
+            queue.popleft()
 
     def _shutdown(self) -> None:
         for conn in list(self._conns):
@@ -225,6 +252,7 @@ class TCPServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, peer)
             self._conns.add(conn)
+            self._handshaking.append((time.monotonic() + _HANDSHAKE_S, conn))
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _close(self, conn: _Conn) -> None:
