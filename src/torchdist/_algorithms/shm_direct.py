@@ -19,7 +19,9 @@ region sets, fingerprints compared at the first step) is described in
   chunk ``s - 1`` from every rank's IN into its OUT, and copies chunk ``s - 2``
   out of everyone's OUT: reduce-scatter and all-gather through memory, each byte
   copied in once and out once (the ring's bytes, without the ring's p - 1 steps),
-  and every slice reduced by one rank, so results are bit-identical.
+  and every slice reduced by one rank, so results are bit-identical. A rank's own
+  slice is not copied in: nobody else reads it, so the fold takes it from the
+  rank's tensor (per rank and byte, 5 - 1/p passes over memory, not 5 + 1/p).
 - ``reduce``: the same, only the root copies out.
 - AVG's division (``finish``) is applied where a piece is finished, while it is in
   cache: to the whole tensor after the small fold, to each chunk after the p = 2
@@ -45,7 +47,7 @@ sync, every rank reduces *its slice* of all twins into its own tensor, sync,
 every rank copies the other slices from their owners' tensors, sync (the last
 one so that nobody changes its tensor while a peer still reads it); per rank and
 byte that is ``1 + 1/p`` reads for the reduction and ``2 (p-1)/p`` for the
-copies, against the pipeline's ``5 + 1/p`` passes. Broadcast: sync, the others
+copies, against the pipeline's ``5 - 1/p`` passes. Broadcast: sync, the others
 copy the root's tensor, sync. All-gather into a symmetric output: sync, copy
 every peer's piece from its twin, sync. Reduce-scatter of a symmetric input:
 sync, fold chunk ``r`` of every twin into the output, sync. The (allocation,
@@ -192,16 +194,21 @@ def _reduce(steps, comm: Comm, flat: torch.Tensor, combine: Combine, root: int |
     for s in range(len(chunks) + 1):
         if copy_out and s >= 2:
             gather_out(s - 2)
-        if s >= 1:  # reduce my slice of chunk s - 1 into my OUT
+        if s >= 1:  # reduce my slice of chunk s - 1 into my OUT; mine is still in my tensor
             lo, hi = slices[s - 1][r]
             if hi > lo:
+                a, _ = chunks[s - 1]
                 out = steps.mine(_OUT, dtype)[lo:hi]
-                _fold(out, [steps.theirs(j, _IN, dtype)[lo:hi] for j in range(p)], combine)
+                _fold(out, [flat[a + lo:a + hi] if j == r else steps.theirs(j, _IN, dtype)[lo:hi]
+                            for j in range(p)], combine)
                 if finish is not None:
                     finish(out)
-        if s < len(chunks):
+        if s < len(chunks):  # copy chunk s in, but for my slice: only I reduce it
             a, b = chunks[s]
-            steps.mine(_IN, dtype)[:b - a].copy_(flat[a:b])
+            lo, hi = slices[s][r]
+            into = steps.mine(_IN, dtype)
+            into[:lo].copy_(flat[a:a + lo])
+            into[hi:b - a].copy_(flat[a + hi:b])
         steps.sync(comm.deadline)
     if copy_out:
         gather_out(len(chunks) - 1)
@@ -212,9 +219,11 @@ def _fold_pipeline(steps, comm: Comm, flat: torch.Tensor, combine: Combine, per:
     """Every rank folds every rank's whole chunk ``s - 1`` while copying chunk ``s`` in.
 
     Per rank and byte: copy in (read 1, write 1), fold (read p, write 1): 2 + p + 1
-    passes over memory, against 5 + 1/p for the reduce-scatter pipeline, and one
-    stage less. Better at p = 2 (5 vs 5.5; measured 12% faster at 64 MiB, same
-    within noise below); worse beyond, where everyone would read everything.
+    passes over memory, against 5 - 1/p for the reduce-scatter pipeline, and one
+    stage less. Better at p = 2 although it moves more bytes (5 vs 4.5: its own
+    chunk is read back from cache): measured 15 ms against 18-20 ms at 64 MiB and
+    2.7-2.9 ms against 3.4-5.3 ms at 16 MiB; worse beyond, where everyone would
+    read everything.
     At p = 2 each rank combines the peer's chunk into its own tensor, whose chunk
     is still in cache from the copy-in: ``x0 op x1`` on rank 0 and ``x1 op x0`` on
     rank 1 are the same bits, as every reduce op is commutative."""
