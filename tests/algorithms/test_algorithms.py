@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchdist._algorithms import collectives, direct, halving_doubling, recursive, ring, tree
-from torchdist._algorithms.comm import chunk_bounds
+from torchdist._algorithms.comm import chunk_bounds, copy_into
 from torchdist._algorithms.reduction import PieceReducer, combiner
 
 from ._world import run_world
@@ -217,3 +217,21 @@ def test_entry_points_choose_an_algorithm_and_agree(world: int, monkeypatch) -> 
         assert all(torch.equal(out, results[0]) for out in results)
         expected = results[0] if expected is None else expected
         assert torch.allclose(results[0], expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_copy_into_matches_tensor_copy(dtype: torch.dtype) -> None:
+    """One memmove for large contiguous same-dtype pairs, ``copy_`` otherwise
+    (small, strided, converting): every case gives what ``copy_`` gives."""
+    source = _inputs(1, 200_000, torch.float32 if dtype.is_floating_point else torch.int64)[0].to(dtype)
+    cases = [
+        (torch.empty_like(source), source),  # large: memmove
+        (torch.empty(100, dtype=dtype), source[:100]),  # small
+        (torch.empty(2 * source.numel(), dtype=dtype)[::2], source),  # strided destination
+        (torch.empty(source.numel() // 2, dtype=dtype), source[::2]),  # strided source
+        (torch.empty(source.numel(), dtype=torch.float64), source),  # converting
+        (torch.empty(0, dtype=dtype), source[:0]),
+    ]
+    for dst, src in cases:
+        copy_into(dst, src)
+        assert torch.equal(dst, src.to(dst.dtype))

@@ -24,7 +24,32 @@ import torch
 from .._transport.base import EMPTY, Transfer, Transport
 from .._transport.framing import MsgKind, OpFingerprint
 
-__all__ = ["Comm", "Scratch", "byte_view", "chunk_bounds", "gather_pieces"]
+__all__ = ["Comm", "Scratch", "byte_view", "copy_into", "chunk_bounds", "gather_pieces"]
+
+
+#: Below this many bytes ``copy_into`` is ``Tensor.copy_``: the same speed, and no
+#: contiguity checks to pay for.
+_MEMMOVE_MIN = 64 << 10
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; between contiguous tensors of one dtype and size, one ``memmove``.
+
+    glibc's ``memmove`` copies large blocks with ``rep movsb``, which can write
+    whole cache lines without reading them first; torch's copy kernel reads every
+    destination line before writing it. That pays when the destination is cold, as
+    a caller's tensor receiving a large collective's result is. Measured on the
+    2-core VM, copying the results out of shared memory: a 64 MiB broadcast 9.0-9.2
+    ms instead of 11.2-11.4 ms at world 2, all-gather 5-10% faster. Into memory a
+    peer reads next it is slower (see ``shm_direct``). Like any ctypes call it
+    releases the GIL.
+    """
+    nbytes = dst.numel() * dst.element_size()
+    if (nbytes < _MEMMOVE_MIN or src.dtype != dst.dtype or src.numel() != dst.numel()
+            or not (dst.is_contiguous() and src.is_contiguous())):
+        dst.copy_(src)
+        return
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
