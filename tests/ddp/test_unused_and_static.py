@@ -50,6 +50,77 @@ def test_find_unused_parameters_averages_partially_used_and_leaves_unused_none()
             torch.testing.assert_close(grads[name], want, **TOL)
 
 
+def _accumulated(rank, world_size, case):
+    """net2 gets gradient only in a no_sync micro-step ("no_sync", on rank 0 only for
+    "no_sync_rank0"), or only on rank 0 with rank 1's gradient left from an earlier
+    step ("stale"); the synced step does not use it on any rank."""
+    torch.manual_seed(0)
+    ddp = DDP(TwoBranch(), find_unused_parameters=True)
+    x = torch.full((2, 4), float(rank + 1))
+    if case == "stale":
+        ddp(x).sum().backward()  # both use net2: .grad = mean of the two
+        ddp(x, use_net2=(rank == 0)).sum().backward()  # no zero_grad: rank 1's net2.grad is stale
+    else:
+        with ddp.no_sync():
+            ddp(x, use_net2=(case == "no_sync" or rank == 0)).sum().backward()
+        ddp(x, use_net2=False).sum().backward()
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in ddp.module.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["no_sync", "no_sync_rank0", "stale"])
+def test_find_unused_parameters_reduces_gradients_accumulated_before_the_synced_step(case: str):
+    """As PyTorch's reducer: a parameter that holds a gradient contributes it even when
+    the synced step did not use it, and one that received gradient in a no_sync step
+    counts as used, so every rank ends with the same average (not a local gradient)."""
+    results = run_ranks(_accumulated, 2, args=(case,), backend="gloo")
+    torch.manual_seed(0)
+    model = TwoBranch()
+    params = dict(model.named_parameters())
+    inputs = [torch.full((2, 4), float(r + 1)) for r in range(2)]
+    local = []  # each rank's net2 gradient before the final reduction, computed in one process
+    for r in range(2):
+        model.zero_grad()
+        if case == "stale":
+            first = [torch.autograd.grad(model(i).sum(), params["net2.weight"])[0] for i in inputs]
+            grad = sum(first) / 2 + (torch.autograd.grad(model(inputs[0]).sum(), params["net2.weight"])[0]
+                                     if r == 0 else 0)
+        elif case == "no_sync" or r == 0:
+            grad = torch.autograd.grad(model(inputs[r]).sum(), params["net2.weight"])[0]
+        else:
+            grad = torch.zeros_like(params["net2.weight"])
+        local.append(grad)
+    want = (local[0] + local[1]) / 2
+    for rank, grads in enumerate(results):
+        torch.testing.assert_close(grads["net2.weight"], want, **TOL)
+        assert grads["never.weight"] is None, f"rank {rank}"
+    assert torch.equal(results[0]["net2.weight"], results[1]["net2.weight"])
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return {"a": self.a(x), "b": self.b(x)}
+
+
+def _output_unused_in_loss(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DDP(TwoHeads(), find_unused_parameters=True)
+    ddp(torch.ones(2, 3))["a"].sum().backward()  # head b is in the output, not in the loss
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in ddp.module.named_parameters()}
+
+
+def test_an_output_left_out_of_the_loss_leaves_its_gradients_none():
+    """Its parameters' hooks fire without a gradient: not used, so .grad stays None
+    (a zero gradient would move them under weight decay or momentum)."""
+    for grads in run_ranks(_output_unused_in_loss, 2, backend="gloo"):
+        assert grads["b.weight"] is None and grads["b.bias"] is None, grads["b.weight"]
+        assert grads["a.weight"] is not None
+
+
 def _unused_error(rank, world_size):
     torch.manual_seed(0)
     ddp = DDP(TwoBranch())
@@ -116,17 +187,20 @@ def _static_changes(rank, world_size):
     torch.manual_seed(0)
     ddp = DDP(TwoBranch(), static_graph=True)
     ddp(torch.randn(2, 4)).sum().backward()
+    ddp(torch.randn(2, 4), use_net2=False).sum().backward()  # the change: PyTorch raises at the next forward
     try:
-        ddp(torch.randn(2, 4), use_net2=False).sum().backward()
         ddp(torch.randn(2, 4))
     except RuntimeError as exc:
         return str(exc)
     return None
 
 
-def test_static_graph_that_changes_raises():
+def test_static_graph_that_changes_raises_at_the_next_forward():
     for msg in run_ranks(_static_changes, 2, backend="gloo"):
-        assert msg is not None and "Your training graph has changed in this iteration" in msg, msg
+        assert msg is not None and msg.startswith(
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your training graph has changed in this iteration"), msg
+        assert "net2.weight" in msg, msg
 
 
 def _twice(rank, world_size):

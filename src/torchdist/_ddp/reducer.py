@@ -40,9 +40,11 @@ Iteration state machine (``prepare_for_backward`` is called by DDP's forward)::
 
 Unused parameters (section 3.2.4): with ``find_unused_parameters`` the forward's
 outputs are traced back through the autograd graph; parameters not reached are
-marked ready (with zero gradient) at the first hook, and a bitmap of locally used
-parameters is all-reduced after the last bucket, so that a parameter unused on
-every rank keeps ``grad=None`` and one used on some ranks gets the average.
+marked ready at the first hook (contributing the gradient they hold, zeros if
+none), and a bitmap of locally used parameters (a hook fired with a gradient,
+in this backward or a ``no_sync`` one since the last reduction) is all-reduced
+after the last bucket, so that a parameter unused on every rank keeps its
+``.grad`` untouched (None stays None) and one used on some ranks gets the average.
 With ``static_graph`` the first iteration only counts hook firings (which also
 supports a parameter used several times, e.g. by reentrant checkpointing) and
 reduces every bucket at the end of backward; later iterations replay the counts.
@@ -70,9 +72,10 @@ __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
 
+_NOT_FINISHED = "Expected to have finished reduction in the prior iteration before starting a new one. "
+
 _UNUSED_HINT = (
-    "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
-    "that your module has parameters that were not used in producing loss. You can enable unused parameter "
+    _NOT_FINISHED + "This error indicates that your module has parameters that were not used in producing loss. You can enable unused parameter "
     "detection by passing the keyword argument `find_unused_parameters=True` to "
     "`torchdist.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs participate in "
     "calculating loss. \nIf you already have done the above, then the distributed data parallel module wasn't "
@@ -81,7 +84,7 @@ _UNUSED_HINT = (
     "issue (e.g. list, dict, iterable).")
 
 _GRAPH_CHANGED = (
-    "Your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
+    "your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
     "got unused in the second iteration. this is not compatible with static_graph set to True.")
 
 
@@ -262,8 +265,10 @@ class Reducer:
             return
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         if self._static and self._static_done:
-            raise RuntimeError(_GRAPH_CHANGED + f" Parameters that did not receive a gradient on rank "
-                               f"{self._group.rank()}: {', '.join(self._names[i] for i in missing)}")
+            raise RuntimeError(f"{_NOT_FINISHED}This error indicates that {_GRAPH_CHANGED} Parameter indices which "
+                               f"did not receive grad for rank {self._group.rank()}: {' '.join(map(str, missing))}"
+                               f"\nParameters which did not receive grad for rank {self._group.rank()}: "
+                               f"{', '.join(self._names[i] for i in missing)}")
         raise RuntimeError(
             _UNUSED_HINT
             + f"\nParameter indices which did not receive grad for rank {self._group.rank()}: "
@@ -295,7 +300,6 @@ class Reducer:
                 self._counts = [0] * len(self._params)
         if self._find_unused:
             self._unused = self._search_unused(outputs)
-            self._locally_used.zero_()
 
     def disable_hooks(self) -> None:
         """A forward under ``no_sync``: its backward only accumulates gradients locally."""
@@ -328,6 +332,11 @@ class Reducer:
 
     def _on_grad(self, index: int) -> None:
         """The autograd hook of parameter ``index``: its gradient has been accumulated."""
+        if self._find_unused and self._params[index].grad is not None:
+            # Locally used, also in a no_sync backward: the next synced backward reduces
+            # what accumulated. (A hook may fire without a gradient, for an output the
+            # loss did not use: that is no use, and .grad stays None, as in PyTorch.)
+            self._locally_used[index] = 1
         if not self._expect_hooks:
             return
         self._require_finalize = True
@@ -343,8 +352,8 @@ class Reducer:
         if self._static:
             left = self._counts_left[index] - 1
             if left < 0:
-                raise RuntimeError(_GRAPH_CHANGED + f" Parameter {self._names[index]} got more gradients than in "
-                                                    "the first iteration.")
+                raise RuntimeError(f"Parameter {self._names[index]} got more gradients than in the first "
+                                   f"iteration: {_GRAPH_CHANGED}")
             self._counts_left[index] = left
             if left > 0:
                 return
@@ -379,8 +388,6 @@ class Reducer:
         self._ready[index] = True
         if used and not self._static and self._should_rebuild() and self._rebuild_order is None:
             self._arrival.append(index)
-        if used and self._find_unused:
-            self._locally_used[index] = 1
         bucket_index, slot = self._where[index]
         bucket = self._buckets[bucket_index]
         self._copy_in(bucket, slot, used)
@@ -409,8 +416,10 @@ class Reducer:
         """Put the parameter's gradient (divided first if ``_pre_divisor`` says so) into its bucket.
 
         Solo bucket: the ``.grad`` itself, divided in place, when it is dense,
-        contiguous and not part of a graph; otherwise (and for a coalesced
-        bucket) the slot of the bucket's own flat tensor."""
+        contiguous, not part of a graph and the parameter was used; otherwise (and
+        for a coalesced bucket) the slot of the bucket's own flat tensor. An unused
+        parameter contributes the gradient it holds (accumulated under no_sync, or
+        left from an earlier iteration), zeros if none, as PyTorch's reducer does."""
         p = bucket.params[slot]
         grad = p.grad
         if bucket.solo:
@@ -425,7 +434,7 @@ class Reducer:
             bucket.use_storage()
         view = bucket.views[slot]
         with torch.no_grad():
-            if not used or grad is None:
+            if grad is None:
                 view.zero_()
                 return
             if grad.is_sparse:
@@ -477,9 +486,6 @@ class Reducer:
         elif self._find_unused:
             self._mark_unused_ready()  # in case no hook fired at all
         if self._next_bucket < len(self._buckets):
-            if self._static and self._static_done:
-                self._expect_hooks = False
-                self.ensure_prior_reduction_finished()
             logger.debug("reducer: backward ended with %d of %d buckets reduced", self._next_bucket,
                          len(self._buckets))
             return  # some parameter got no gradient: the next forward raises
@@ -492,6 +498,7 @@ class Reducer:
                 self._wait_bucket(bucket)
             self._used_work.wait()
             used = [c > 0 for c in self._locally_used.tolist()]
+            self._locally_used.zero_()  # the next count starts after this reduction (no_sync ones too)
             if self._static:
                 self._global_used = used
             for bucket in self._buckets:
