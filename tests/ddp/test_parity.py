@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,57 @@ def test_buffers_broadcast_from_rank0_each_forward():
     r0, r1 = run_ranks(_buffers, 2, backend="gloo")
     assert torch.equal(r0[2]["module.1.running_mean"], r1[2]["module.1.running_mean"])
     assert torch.equal(r0[2]["module.1.running_var"], r1[2]["module.1.running_var"])
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("persistent", torch.zeros(2))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _construction(rank, world_size, kwargs, join):
+    torch.manual_seed(rank)  # every rank starts with its own parameters and buffers
+    model = _WithBuffers()
+    model.persistent.fill_(rank + 1)
+    model.scratch.fill_(rank + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DDP(model, **kwargs)
+    if join:  # rank 1 trains one step more; join's final sync must respect the buffer setting
+        with ddp.join():
+            for _ in range(1 + rank):
+                ddp(torch.ones(1, 2)).sum().backward()
+    return (model.lin.weight.detach().clone(), model.persistent.clone(), model.scratch.clone(),
+            [w.category for w in caught])
+
+
+@pytest.mark.parametrize("join", [False, True])
+@pytest.mark.parametrize("kwargs, buffers_synced, warns", [
+    ({}, True, False),
+    ({"broadcast_buffers": False}, False, True),  # deprecated in 2.13, and skips buffers at construction
+    ({"forward_sync_buffers": False}, True, False),  # buffers still synced at construction
+])
+def test_construction_and_join_sync_parameters_and_buffers_as_pytorch(kwargs, buffers_synced, warns, join):
+    r0, r1 = run_ranks(_construction, 2, args=(kwargs, join), backend="gloo")
+    assert torch.equal(r0[0], r1[0])  # parameters: always synced
+    for i in (1, 2):  # persistent and non-persistent buffers (named_buffers, not state_dict)
+        assert torch.equal(r0[i], r1[i]) == (buffers_synced or (join and "broadcast_buffers" not in kwargs)), i
+    assert (FutureWarning in r0[3]) == warns
+
+
+def test_falsy_device_ids_and_output_device_pass_on_cpu_as_in_pytorch():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        DDP(nn.Linear(2, 2), device_ids=[], output_device=0)
+        with pytest.raises(ValueError, match="device_ids can only be None or contain a single element"):
+            DDP(nn.Linear(2, 2), device_ids=[0, 1])
+    finally:
+        dist.destroy_process_group()
 
 
 def _checkpoint(rank, world_size, path, resume):

@@ -113,8 +113,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     """Replicates ``module`` on every rank and averages its gradients during backward.
 
     Arguments are PyTorch's. CPU modules only: ``device_ids`` and
-    ``output_device`` must be None (as PyTorch requires for CPU modules).
-    ``forward_sync_buffers`` (2.13) overrides ``broadcast_buffers`` when given.
+    ``output_device`` must be None or empty (as PyTorch requires for CPU modules).
+    ``forward_sync_buffers`` (2.13) overrides ``broadcast_buffers`` when given;
+    passing ``broadcast_buffers`` warns, as in PyTorch 2.13, and ``False`` also
+    skips the buffers in the construction broadcast.
     ``mixed_precision``, ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``
     and ``skip_all_reduce_unused_params`` are not supported and raise ``ValueError``
     (see docs/design/ddp.md); ``batched_grad_copy`` is accepted and has no effect.
@@ -130,7 +132,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         devices = {p.device for p in module.parameters()}
-        if device_ids is not None or output_device is not None:
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        if device_ids or output_device:  # PyTorch tests truth: device_ids=[] and output_device=0 pass on CPU
             raise ValueError(
                 "DistributedDataParallel device_ids and output_device arguments only work with single-device/"
                 f"multiple-device GPU modules or CPU modules, but got device_ids {device_ids}, output_device "
@@ -157,8 +161,23 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
             process_group = device_mesh.get_group(mesh_dim=0)
         self.process_group = process_group if process_group is not None else WORLD.require_default()
+        if broadcast_buffers is not None:
+            if forward_sync_buffers is not None:
+                warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                              "`broadcast_buffers` is deprecated and its value is ignored when "
+                              "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=2)
+            else:
+                warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: "
+                              "unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at "
+                              "init. If you rely on buffers NOT being synced at init (e.g. rank-local buffers), keep "
+                              "using `broadcast_buffers=False` until `init_sync_buffers` is available.",
+                              FutureWarning, stacklevel=2)
+        # forward_sync_buffers: buffers broadcast before each forward (and by join's final
+        # sync); the deprecated broadcast_buffers=False also skips them at construction.
         if forward_sync_buffers is not None:
-            broadcast_buffers = forward_sync_buffers
+            broadcast_buffers, init_sync_buffers = forward_sync_buffers, True
+        else:
+            broadcast_buffers = init_sync_buffers = True if broadcast_buffers is None else broadcast_buffers
         self.module = module
         self.device_ids = None
         self.output_device = None
@@ -167,7 +186,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
+        self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
@@ -190,7 +209,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.modules_buffers = [b for n, b in module.named_buffers() if n not in ignore]
         verify_param_shapes(params, names, self.process_group)
         if init_sync:
-            self._sync_params_and_buffers(authoritative_rank=0)
+            self._sync_module_states(authoritative_rank=0, buffers=init_sync_buffers)
         self.reducer = Reducer(params, names, self.process_group, self._config)
         self._has_rebuilt_buckets = False
 
@@ -255,13 +274,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.modules_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         broadcast_coalesced(self.modules_buffers, authoritative_rank, self.process_group)
 
-    def _sync_params_and_buffers(self, authoritative_rank: int = 0) -> None:
-        state = [t for n, t in self.module.state_dict(keep_vars=True).items() if n not in self.parameters_to_ignore]
-        tensors, seen = [], set()
-        for t in state:  # shared tensors once
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t)
+    def _sync_module_states(self, authoritative_rank: int, buffers: bool) -> None:
+        """Broadcast every parameter (trainable or not) and, if ``buffers``, every buffer
+        (persistent or not), skipping ignored ones; shared tensors once."""
+        named = list(self.module.named_parameters()) + (list(self.module.named_buffers()) if buffers else [])
+        tensors = [t for n, t in named if n not in self.parameters_to_ignore]
         broadcast_coalesced(tensors, authoritative_rank, self.process_group)
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> bool:
@@ -274,7 +291,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         rank = find_common_rank(self.process_group, is_last_joiner)
-        self._sync_params_and_buffers(authoritative_rank=rank)
+        self._sync_module_states(authoritative_rank=rank, buffers=self.broadcast_buffers)
 
     # -- no_sync, join, hooks ---------------------------------------------------------------
     @contextmanager
