@@ -5,6 +5,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 
 import torchdist as dist
 from torchdist.testing import RanksFailed, run_ranks
@@ -90,6 +91,31 @@ def _twice_then_reinit(rank, world_size):
 def test_double_init_raises_and_destroy_allows_reinit(tmp_path):
     results = run_ranks(_twice_then_reinit, 2, backend="tcp", env={"REINIT_FILE": str(tmp_path / "again")})
     assert results == [2, 2]
+
+
+def _reinit_on_the_same_address(rank, world_size, backend, skew):
+    dist.destroy_process_group()  # the harness's group
+    sums = []
+    for round_ in range(3):
+        if rank == 0:
+            time.sleep(skew)  # the others re-initialize before rank 0 even destroyed its store
+        dist.init_process_group(backend, timeout=timedelta(seconds=30))  # env://: the same MASTER_PORT
+        t = torch.tensor([float(rank + round_)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+        dist.destroy_process_group()
+    dist.init_process_group(backend)  # for the harness to tear down
+    return sums
+
+
+@pytest.mark.parametrize("backend, skew", [("gloo", 0.0), ("gloo", 0.3), ("tcp", 0.3)])
+def test_destroy_and_init_again_on_the_same_address(backend, skew):
+    """As with PyTorch: init, destroy, init again with the same MASTER_ADDR/PORT. A rank
+    that is back first must not join the previous store (stale keys, then cut off)."""
+    world = 3
+    results = run_ranks(_reinit_on_the_same_address, world, args=(backend, skew), backend=backend, timeout=90)
+    want = [float(sum(range(world)) + world * r) for r in range(3)]
+    assert results == [want] * world
 
 
 def _world_never_fills(rank, world_size, how, path):

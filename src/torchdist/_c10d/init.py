@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 from datetime import timedelta
 
 from .._process_group.process_group import ProcessGroup
@@ -84,7 +86,7 @@ def init_process_group(
             raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0..{world_size - 1})")
         owns_store = False
     else:
-        store, rank, world_size = next(rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
+        store, rank, world_size = _rendezvous(init_method or "env://", rank, world_size, timeout)
         owns_store = True
     # The store inherits the group's timeout, so a missing peer surfaces as an error in time.
     store.set_timeout(timeout)
@@ -115,6 +117,40 @@ def init_process_group(
     WORLD.default_pg = pg
     WORLD.register(pg)
     logger.info("rank %d joined the default process group (world_size=%d, backend=%s)", rank, world_size, pg.name())
+
+
+#: Per TCPStore address: a key this process left on the server of its last default group.
+_LEFT_ON: dict[tuple[str, int], str] = {}
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta) -> tuple[Store, int, int]:
+    """``rendezvous()``, but never onto the TCPStore server of this process's previous group.
+
+    A process that destroys its group and initializes again on the same address can
+    reach the old server (the master still drains it, or has not destroyed its group
+    yet), read the previous group's keys and lose the server under it. Every init
+    leaves a key of its own on the server; a client that finds its last one hangs up
+    and retries until a new server answers (the old one refuses newcomers once it
+    drains: see ``TCPServer.stop``).
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+        if not isinstance(store, TCPStore):
+            return store, rank, world_size
+        where = (store.host, store.port)
+        previous = _LEFT_ON.get(where)
+        if previous is None or not store.check([previous]):
+            _LEFT_ON[where] = mark = f"torchdist/init/{secrets.token_hex(8)}"
+            store.set(mark, b"")
+            return store, rank, world_size
+        store.close()
+        if time.monotonic() > deadline:
+            raise DistStoreError(
+                f"init_process_group on rank {rank}: the TCPStore at {where[0]}:{where[1]} is still the one of "
+                f"this process's previous process group after {timeout}; the rank hosting it (rank 0) did not "
+                "destroy its group and start a new store. Call destroy_process_group() on every rank.")
+        time.sleep(0.05)
 
 
 def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: timedelta) -> None:

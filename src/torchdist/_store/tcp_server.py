@@ -141,6 +141,7 @@ class TCPServer:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
+        self._closing = False  # draining before a stop: the listener closes
         #: Seconds stop() waits for clients to disconnect first (see TCPStore.close).
         self.drain = 0.0
         self._handlers: list = [None] * (max(Op) + 1)  # None: not a request once READY
@@ -164,17 +165,25 @@ class TCPServer:
         peers still reading their replies (the init barrier's, typically).
         """
         if self.drain > 0 and threading.current_thread() is not self._thread:
+            # No newcomers while draining: a process that re-initializes on this port
+            # must reach the next server, not this one (which then stops under it). It
+            # is refused and retries until the next server listens.
+            self._closing = True
+            self._wake()
             deadline = time.monotonic() + self.drain
             # _conns belongs to the server thread; its size is only read here.
             while self._conns and self._thread.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.005)
         self._stopping = True
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
 
     # -- the event loop ------------------------------------------------------------
     def _run(self) -> None:
@@ -199,9 +208,13 @@ class TCPServer:
                 conn = key.data
                 try:
                     if conn is None:
-                        self._accept()
+                        if not self._closing:  # (the listener may have closed earlier in this batch)
+                            self._accept()
                     elif conn is _WAKE:
                         self._wake_r.recv(64)
+                        if self._closing and self._listener.fileno() >= 0:
+                            self._selector.unregister(self._listener)
+                            self._listener.close()
                     else:
                         if mask & selectors.EVENT_WRITE and conn.sock is not None:
                             self._on_writable(conn)
