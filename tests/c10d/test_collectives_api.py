@@ -164,6 +164,41 @@ def test_non_contiguous_outputs_and_empty_tensors(world_size):
     assert run_ranks(_strided_and_empty, world_size, backend="tcp") == [(True, True, True)] * world_size
 
 
+def _parameters_and_inference_tensors(rank, world):
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():  # the common "start from rank 0's weights" idiom
+        dist.broadcast(p, src=0)
+    weight = model.weight
+    dist.all_reduce(weight)  # a leaf that requires grad, written in place
+    strided = torch.nn.Parameter(torch.full((2, 4), float(rank)))[:, ::2]
+    dist.all_reduce(strided)  # a non-contiguous view of one: staged, then copied back
+    gathered = [torch.nn.Parameter(torch.empty(2)) for _ in range(world)]
+    dist.all_gather(gathered, torch.nn.Parameter(torch.full((2,), float(rank))))
+    with torch.inference_mode():
+        frozen = torch.full((2,), float(rank + 1))
+    dist.all_reduce(frozen)
+    dist.barrier()
+    return (weight.detach().clone(), model.bias.detach().clone(), strided.detach().clone(),
+            [g.detach().clone() for g in gathered], frozen.clone(), weight.requires_grad)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_collectives_write_parameters_and_inference_tensors_in_place(backend):
+    """As PyTorch's C++ collectives: autograd leaves and inference tensors are written in place."""
+    world = 2
+    results = run_ranks(_parameters_and_inference_tensors, world, backend=backend)
+    torch.manual_seed(0)
+    rank0 = torch.nn.Linear(3, 2)
+    for weight, bias, strided, gathered, frozen, requires_grad in results:
+        assert torch.equal(weight, rank0.weight.detach() * world)
+        assert torch.equal(bias, rank0.bias.detach())
+        assert torch.equal(strided, torch.full((2, 2), float(sum(range(world)))))
+        assert [g.tolist() for g in gathered] == [[float(r)] * 2 for r in range(world)]
+        assert frozen.tolist() == [float(sum(range(1, world + 1)))] * 2
+        assert requires_grad
+
+
 def _random_sum_is_bit_identical(rank, world):
     torch.manual_seed(rank)
     t = torch.randn(100_003)  # odd size: uneven ring chunks

@@ -88,11 +88,26 @@ def check_list(op: str, tensors: object, size: int, name: str) -> list[torch.Ten
     return list(tensors)
 
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's data outside autograd and inference mode.
+
+    PyTorch's collectives are C++ ops that write parameters (leaves that require
+    grad) and inference tensors in place; ours are torch ops, which would refuse
+    both, so they get a detached alias of the same memory.
+    """
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_inference():
+        tensor = torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), tensor.storage_offset(),
+                                                         tensor.size(), tensor.stride())
+    return tensor
+
+
 class Staging:
     """Contiguous stand-ins for the caller's tensors, and the copies back after the op.
 
     Complex tensors travel as their real view (``view_as_real``), so backends only
-    ever see real dtypes.
+    ever see real dtypes; every tensor is ``plain``.
     """
 
     def __init__(self) -> None:
@@ -104,10 +119,11 @@ class Staging:
 
     def input(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the op only reads."""
-        return self._wire(tensor.contiguous())
+        return self._wire(plain(tensor).contiguous())
 
     def output(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the op writes (and may read first, for in-place ops)."""
+        tensor = plain(tensor)
         if tensor.is_contiguous():
             return self._wire(tensor)
         stage = tensor.contiguous()
