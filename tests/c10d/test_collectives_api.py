@@ -247,13 +247,24 @@ def _local_validation_errors(rank, world):
     expect("complex max", ValueError, lambda: dist.all_reduce(c, op=dist.ReduceOp.MAX))
     expect("dtypes", ValueError, lambda: dist.all_gather([torch.ones(2), torch.ones(2, dtype=torch.int64)],
                                                         torch.ones(2)))
-    expect("list size", ValueError, lambda: dist.all_gather([torch.ones(2)] * (world + 1), torch.ones(2)))
+    expect("list size", RuntimeError, lambda: dist.all_gather([torch.ones(2)] * (world + 1), torch.ones(2)))
+    # the types PyTorch raises: ValueError from its Python checks, RuntimeError from its backend's
+    expect("output size", RuntimeError, lambda: dist.all_gather_single(torch.ones(2 * world + 1), torch.ones(2)))
+    expect("splits", RuntimeError, lambda: dist.all_to_all_single(torch.ones(4), torch.ones(4), [1] * world,
+                                                                  [5] * world))
+    expect("int avg", RuntimeError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG))
+    expect("float band", RuntimeError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND))
+    expect("complex max scatter", RuntimeError,
+           lambda: dist.reduce_scatter_single(torch.ones(1, dtype=torch.complex64),
+                                              torch.ones(world, dtype=torch.complex64), op=dist.ReduceOp.MAX))
+    expect("int op", TypeError, lambda: dist.all_reduce(torch.ones(2), op=5))
     expect("root", RuntimeError, lambda: dist.broadcast(torch.ones(1), src=world))
     expect("both roots", ValueError, lambda: dist.broadcast(torch.ones(1), src=0, group_src=0))
     expect("gather non-root", ValueError, lambda: dist.gather(torch.ones(1), [torch.ones(1)] * world, dst=0)
            if rank else (_ for _ in ()).throw(ValueError("root")))
     expect("a2a contiguous", ValueError, lambda: dist.all_to_all_single(torch.ones(4, 2).t(), torch.ones(2, 4)))
     expect("send to self", ValueError, lambda: dist.send(torch.ones(1), dst=rank))
+    expect("isend to self", RuntimeError, lambda: dist.isend(torch.ones(1), dst=rank))
     dist.barrier()  # nothing above reached the wire: the group is still in step
     return errors
 
@@ -263,8 +274,15 @@ def test_local_mistakes_raise_before_anything_is_sent():
     assert "does not support MAX on complex tensors" in errors["complex max"]
     assert "different dtypes" in errors["dtypes"]
     assert "one per rank" in errors["list size"]
+    assert "must hold world_size" in errors["output size"]
+    assert "split_sizes" in errors["splits"]
+    assert "result type Float can't be cast to the desired output type Long" in errors["int avg"]
+    assert "only defined for integer and bool tensors" in errors["float band"]
+    assert "does not support MAX on complex tensors" in errors["complex max scatter"]
+    assert "ReduceOp" in errors["int op"]
     assert "invalid root rank" in errors["root"]
     assert "Can't specify both" in errors["both roots"]
     assert "requires empty output on non-root" in errors["gather non-root"]
     assert errors["a2a contiguous"] == "Tensors must be contiguous"
     assert "should not be the same as the rank of the current process" in errors["send to self"]
+    assert "should not be the same as the rank of the current process" in errors["isend to self"]

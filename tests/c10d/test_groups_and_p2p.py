@@ -175,6 +175,33 @@ def test_object_collectives(world_size):
         assert scattered == f"item{rank}"
 
 
+def _object_lists_of_other_lengths(rank, world):
+    longer = [None] * (world + 1)
+    dist.all_gather_object(longer, rank)
+    at_root = ["keep"] * (world + 1) if rank == 0 else None
+    dist.gather_object(rank, at_root, dst=0)
+    short = [None] * (world - 1) if rank == 1 else [None] * world
+    try:
+        dist.all_gather_object(short, rank)  # the others complete; only rank 1 raises, after the collective
+        error = None
+    except IndexError as exc:
+        error = str(exc)
+    dist.barrier()  # still in step
+    return longer, at_root, short, error
+
+
+def test_object_lists_longer_or_shorter_than_the_group_as_pytorch():
+    world = 3
+    for rank, (longer, at_root, short, error) in enumerate(run_ranks(_object_lists_of_other_lengths, world,
+                                                                     backend="tcp")):
+        assert longer == [*range(world), None]  # entries past the group size are left alone
+        assert at_root == ([*range(world), "keep"] if rank == 0 else None)
+        if rank == 1:
+            assert short == list(range(world - 1)) and "has no place" in error
+        else:
+            assert short == list(range(world)) and error is None
+
+
 def _monitored(rank, world, missing):
     if rank in missing:
         time.sleep(3)

@@ -68,23 +68,24 @@ def check_tensor(op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
     return tensor
 
 
-def check_same_dtype(op: str, tensors: Iterable[torch.Tensor]) -> None:
+def check_same_dtype(op: str, tensors: Iterable[torch.Tensor], error: type[Exception] = ValueError) -> None:
+    """``error``: PyTorch's type for this op (ValueError where its Python layer checks,
+    RuntimeError where only its C++ backend does)."""
     dtype = None
     for t in tensors:
         check_tensor(op, t)
         if dtype is None:
             dtype = t.dtype
         elif t.dtype != dtype:
-            raise ValueError(
-                f"{op}: Invalid usage of tensors with different dtypes. Found {dtype} and {t.dtype}"
-            )
+            raise error(f"{op}: Invalid usage of tensors with different dtypes. Found {dtype} and {t.dtype}")
 
 
 def check_list(op: str, tensors: object, size: int, name: str) -> list[torch.Tensor]:
+    """A list of one tensor per rank; a wrong length is PyTorch's backend error (RuntimeError)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
     if len(tensors) != size:
-        raise ValueError(f"{op}: {name} has {len(tensors)} tensors; it must have one per rank ({size})")
+        raise RuntimeError(f"{op}: {name} has {len(tensors)} tensors; it must have one per rank ({size})")
     return list(tensors)
 
 

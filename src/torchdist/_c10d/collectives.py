@@ -43,18 +43,30 @@ __all__ = [
 
 
 _BITWISE = frozenset({RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
+#: c10's names of integer dtypes, for the message PyTorch gives on an integer AVG.
+_C10_NAMES = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+              torch.uint8: "Byte", torch.bool: "Bool"}
 
 
 def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
-    if op is RedOpType.SUM or op is RedOpType.AVG:  # defined for every dtype
+    if op is RedOpType.SUM:  # defined for every dtype
+        return op
+    if op is RedOpType.AVG:
+        for t in tensors:
+            if not (t.is_floating_point() or t.is_complex()):
+                raise RuntimeError(f"{name}: AVG of {t.dtype} tensors: result type Float can't be cast to the "
+                                   f"desired output type {_C10_NAMES.get(t.dtype, t.dtype)}; use SUM, or a "
+                                   "floating-point tensor")
         return op
     kind, _ = as_red_op(op)
     if kind in _BITWISE:
-        if any(t.is_floating_point() for t in tensors):
-            raise ValueError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
+        if any(t.is_floating_point() or t.is_complex() for t in tensors):
+            raise RuntimeError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
                              f"got {tensors[0].dtype}")
     elif kind not in COMPLEX_REDUCE_OPS and any(t.is_complex() for t in tensors):
-        raise ValueError(f"{name} does not support {kind.name} on complex tensors")
+        # PyTorch checks this in Python (ValueError) for all_reduce only; elsewhere its backend refuses
+        error = ValueError if name.startswith("all_reduce") else RuntimeError
+        raise error(f"{name} does not support {kind.name} on complex tensors")
     return op
 
 
@@ -118,7 +130,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     check_same_dtype("all_gather", [tensor, *outputs])
     for i, out in enumerate(outputs):
         if out.numel() != tensor.numel():
-            raise ValueError(
+            raise RuntimeError(
                 f"all_gather: tensor_list[{i}] has {out.numel()} elements (shape {tuple(out.shape)}) but the "
                 f"input has {tensor.numel()} (shape {tuple(tensor.shape)}); every output must match the input"
             )
@@ -144,9 +156,9 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
     pg = member_group(group, "all_gather_single")
     if pg is None:
         return None
-    check_same_dtype("all_gather_single", [output_tensor, input_tensor])
+    check_same_dtype("all_gather_single", [output_tensor, input_tensor], RuntimeError)
     if output_tensor.numel() != pg.size() * input_tensor.numel():
-        raise ValueError(
+        raise RuntimeError(
             f"all_gather_single: the output has {output_tensor.numel()} elements; it must hold world_size "
             f"({pg.size()}) x the input's {input_tensor.numel()}"
         )
@@ -187,7 +199,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     if pg.rank() == root:
         if gather_list is None or len(gather_list) != pg.size():
             size = 0 if gather_list is None else len(gather_list)
-            raise ValueError(f"gather: Incorrect output list size {size}. Output list size should be {pg.size()}")
+            raise RuntimeError(f"gather: Incorrect output list size {size}. Output list size should be {pg.size()}")
         check_same_dtype("gather", [tensor, *gather_list])
         outputs = [stage.output(t) for t in gather_list]
     else:
@@ -209,7 +221,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     if pg.rank() == root:
         if scatter_list is None or len(scatter_list) != pg.size():
             size = 0 if scatter_list is None else len(scatter_list)
-            raise ValueError(f"scatter: Incorrect input list size {size}. Input list size should be {pg.size()}")
+            raise RuntimeError(f"scatter: Incorrect input list size {size}. Input list size should be {pg.size()}")
         check_same_dtype("scatter", [tensor, *scatter_list])
         inputs = [stage.input(t) for t in scatter_list]
     else:
@@ -229,7 +241,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Red
     check_same_dtype("reduce_scatter", [output, *inputs])
     _check_op("reduce_scatter", op, [output])
     if inputs[pg.rank()].numel() != output.numel():
-        raise ValueError(
+        raise RuntimeError(
             f"reduce_scatter: input_list[{pg.rank()}] has {inputs[pg.rank()].numel()} elements but the output "
             f"has {output.numel()}; they must match"
         )
@@ -256,10 +268,10 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceO
     pg = member_group(group, "reduce_scatter_single")
     if pg is None:
         return None
-    check_same_dtype("reduce_scatter_single", [output, input])
+    check_same_dtype("reduce_scatter_single", [output, input], RuntimeError)
     _check_op("reduce_scatter_single", op, [output])
     if input.numel() != pg.size() * output.numel():
-        raise ValueError(
+        raise RuntimeError(
             f"reduce_scatter_single: the input has {input.numel()} elements; it must hold world_size "
             f"({pg.size()}) x the output's {output.numel()}"
         )
@@ -292,7 +304,7 @@ def _splits(op: str, tensor: torch.Tensor, sizes: list[int] | None, world: int, 
         return [rows // world] * world
     sizes = [int(s) for s in sizes]
     if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != rows:
-        raise ValueError(f"{op}: {name}_split_sizes {sizes} must be {world} non-negative sizes summing to "
+        raise RuntimeError(f"{op}: {name}_split_sizes {sizes} must be {world} non-negative sizes summing to "
                          f"dim 0 of the {name} ({rows})")
     return sizes
 

@@ -86,12 +86,19 @@ def all_gather_object(object_list: list[Any], obj: Any, group=None) -> None:
     pg = member_group(group, "all_gather_object")
     if pg is None:
         return
-    if len(object_list) != pg.size():
-        raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries; it needs {pg.size()}")
     outputs, sizes, padded = _all_gather_padded(_to_tensor(obj), pg)
     collectives.all_gather(outputs, padded, group=pg)
+    _fill("all_gather_object", object_list, outputs, sizes)
+
+
+def _fill(op: str, objects: list[Any], outputs: list[torch.Tensor], sizes: list[int]) -> None:
+    """``objects[i]`` = rank i's object, as PyTorch: after the collective (so the other
+    ranks complete), entries past the group size untouched, a short list an IndexError."""
     for i, (tensor, size) in enumerate(zip(outputs, sizes)):
-        object_list[i] = _from_tensor(tensor, size)
+        if i >= len(objects):
+            raise IndexError(f"{op}: the object list has {len(objects)} entries, but the group has {len(outputs)} "
+                             f"ranks; rank {i}'s object has no place")
+        objects[i] = _from_tensor(tensor, size)
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group=None,
@@ -101,13 +108,12 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     if pg is None:
         return
     root = group_root(pg, "gather_object", dst, group_dst, default=0 if group_dst is None else None)
-    if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
-        raise ValueError(f"gather_object: object_gather_list must have {pg.size()} entries on the destination rank")
+    if pg.rank() == root and object_gather_list is None:
+        raise ValueError("gather_object: Must provide object_gather_list on the destination rank")
     outputs, sizes, padded = _all_gather_padded(_to_tensor(obj), pg)
     collectives.gather(padded, outputs if pg.rank() == root else None, group=pg, group_dst=root)
     if pg.rank() == root:
-        for i, (tensor, size) in enumerate(zip(outputs, sizes)):
-            object_gather_list[i] = _from_tensor(tensor, size)
+        _fill("gather_object", object_gather_list, outputs, sizes)
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,

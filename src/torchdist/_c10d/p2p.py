@@ -32,7 +32,9 @@ def _peer(pg: ProcessGroup, op: str, rank: int | None, group_rank: int | None, r
     peer = group_root(pg, op, rank, group_rank)
     if peer == pg.rank():
         what = "destination" if role == "dst" else "source"
-        raise ValueError(
+        # PyTorch checks this in Python for send only (ValueError); isend, recv and irecv
+        # reach its backend, which refuses with a RuntimeError
+        raise (ValueError if op == "send" else RuntimeError)(
             f"Invalid {what} rank: {what} rank should not be the same as the rank of the current process."
         )
     return peer
@@ -57,7 +59,7 @@ def _post_send(tensor: torch.Tensor, dst: int | None, group, tag: int, group_dst
     if pg is None:
         return None
     check_tensor("isend", tensor)
-    peer = _peer(pg, "isend", dst, group_dst, "dst")
+    peer = _peer(pg, "isend" if async_op else "send", dst, group_dst, "dst")
     return pg.backend.send(Staging().input(tensor), peer, tag, async_op=async_op)
 
 

@@ -76,8 +76,8 @@ def as_red_op(op: "ReduceOp | RedOpType | int") -> tuple[RedOpType, float | None
     """Normalize any accepted spelling of an op to (kind, premul factor)."""
     if type.__instancecheck__(ReduceOp, op):
         return op.op, op.factor
-    if isinstance(op, (RedOpType, int)) and not isinstance(op, bool):
-        return RedOpType(op), None
+    if isinstance(op, RedOpType):  # not a plain int: PyTorch's binding refuses those too
+        return op, None
     raise TypeError(f"op must be a torchdist.ReduceOp, got {type(op).__name__}")
 
 

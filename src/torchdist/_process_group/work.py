@@ -140,7 +140,7 @@ class Work:
     def source_rank(self) -> int:
         """For a receive from any source: the rank that sent the message."""
         if self._source_rank < 0:
-            raise ValueError(f"{self.op_name}: source_rank() is only defined for a recv from any source")
+            raise RuntimeError(f"{self.op_name}: source_rank() is only defined for a recv from any source")
         return self._source_rank
 
     def _get_op_type(self) -> str:
