@@ -55,6 +55,10 @@ def test_invalid_rank_raises():
         DistributedSampler(range(4), 2, 2)
     with pytest.raises(ValueError, match="Invalid rank"):
         DistributedSampler(range(4), 2, -1)
+    with pytest.raises(ValueError, match=r"interval \[0, -1\]"):  # PyTorch's wording for num_replicas=0
+        DistributedSampler(range(4), 0, 0)
+    with pytest.raises(ValueError, match="has not been initialized"):  # defaults need a group, as in PyTorch
+        DistributedSampler(range(4))
 
 
 def _defaults(rank, world_size):

@@ -74,3 +74,27 @@ def test_load_state_dict_round_trips():
     for i, s in full["state"].items():
         for key, value in s.items():
             torch.testing.assert_close(again["state"][i][key], value)
+
+
+def _groups_and_errors(rank, world_size):
+    opt = ZeroRedundancyOptimizer(build("mlp").parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    try:
+        opt.state_dict()
+        not_consolidated = None
+    except RuntimeError as exc:
+        not_consolidated = str(exc)
+    try:
+        ZeroRedundancyOptimizer([], torch.optim.SGD, lr=0.1)
+        empty = None
+    except ValueError as exc:
+        empty = str(exc)
+    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}, not_consolidated, empty
+
+
+def test_param_groups_show_the_optimizer_defaults_and_errors_are_pytorchs():
+    for rank, (group, not_consolidated, empty) in enumerate(run_ranks(_groups_and_errors, 2, backend="gloo")):
+        want = {k: v for k, v in torch.optim.SGD(build("mlp").parameters(), lr=0.1, momentum=0.9)
+                .param_groups[0].items() if k != "params"}
+        assert group == want  # weight_decay, nesterov, ... as in PyTorch, not only what was passed
+        assert f"consolidate_state_dict(to={rank})" in not_consolidated
+        assert empty == "ZeroRedundancyOptimizer got an empty parameter list"

@@ -68,6 +68,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sizes = [0] * self.world_size
         self._rank_of: dict[int, int] = {}  # id(param) -> owning rank
         self._all_state_dicts: list[dict] = []
+        params = list(params)
+        if not params:
+            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
         Optimizer.__init__(self, params, defaults)  # calls add_param_group for each group
         Joinable.__init__(self)
         self.optim = optimizer_class(self._local_groups(), **defaults)
@@ -75,7 +78,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._buckets: list[torch.Tensor] = []
         if parameters_as_bucket_view:
             self._build_param_buckets()
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        # the local optimizer's groups hold its defaults too (weight_decay, ...): show them here
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
 
     # -- partitioning -------------------------------------------------------------------------
     def _assign(self, group: dict) -> None:
@@ -154,8 +158,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The full state in the plain optimizer's format; only on the rank given to consolidate_state_dict."""
         if not self._all_state_dicts:
             raise RuntimeError(
-                "Optimizer state has not been consolidated on this rank. Please call `consolidate_state_dict(to)` "
-                "on all ranks beforehand if you meant to save the global state.")
+                "Optimizer state has not been consolidated on this rank. Please call "
+                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to save the global "
+                "state.")
         global_index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state: dict[int, Any] = {}
         for rank, local in enumerate(self._all_state_dicts):

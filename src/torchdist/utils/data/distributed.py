@@ -22,7 +22,7 @@ from typing import Iterator, Sized, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from ..._c10d.init import get_rank, get_world_size, is_available, is_initialized
+from ..._c10d.init import get_rank, get_world_size
 
 __all__ = ["DistributedSampler"]
 
@@ -34,16 +34,11 @@ class DistributedSampler(Sampler[T_co]):
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        if num_replicas is None or rank is None:
-            if not is_available() or not is_initialized():
-                raise RuntimeError("Requires distributed package to be available (call "
-                                   "torchdist.init_process_group first, or pass num_replicas and rank)")
+        # Before init_process_group, get_world_size/get_rank raise ValueError, as PyTorch's do.
         if num_replicas is None:
             num_replicas = get_world_size()
         if rank is None:
             rank = get_rank()
-        if num_replicas <= 0:
-            raise ValueError(f"num_replicas should be a positive integer, got {num_replicas}")
         if rank >= num_replicas or rank < 0:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
         self.dataset = dataset
