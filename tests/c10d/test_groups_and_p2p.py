@@ -154,6 +154,26 @@ class _Payload:
         self.rank, self.tensor = rank, torch.arange(3) * rank
 
 
+def _p2p_size_mismatch(rank, world):
+    try:
+        if rank == 0:
+            dist.send(torch.ones(2), dst=1)
+            dist.barrier()  # the receiver's error breaks the group: this raises too
+        else:
+            dist.recv(torch.zeros(4), src=0)
+        return None
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_p2p_size_mismatch_names_both_sizes_once():
+    """torchdist refuses a receive whose size differs from the send (gloo fills a larger
+    buffer's prefix; see docs/design/collectives.md), with a message that names the group once."""
+    _, message = run_ranks(_p2p_size_mismatch, 2, backend="tcp")
+    assert "rank 0 sent 8 bytes with tag 0 but rank 1's recv expects 16 bytes" in message, message
+    assert message.count("process group") == 1, message
+
+
 def _objects(rank, world):
     gathered = [None] * world
     dist.all_gather_object(gathered, _Payload(rank))

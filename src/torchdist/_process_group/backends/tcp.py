@@ -217,7 +217,8 @@ class TcpBackend(ProcessGroupBackend):
                 f"{self._me()}: {what}. Check that every rank calls the same collectives in the same order, or "
                 f"raise the {'group' if seconds is None else 'op'}'s timeout.")
         elif isinstance(exc, DistError):
-            error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: {exc}")
+            detail = str(exc).removeprefix(f"{self._label}: ")  # the transport's errors name the group too
+            error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: {detail}")
         else:
             error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: "
                                      f"{type(exc).__name__}: {exc}")
@@ -229,7 +230,7 @@ class TcpBackend(ProcessGroupBackend):
         first = self._broken is None
         if first:
             self._broken = error
-            logger.warning("%s: %s", self._label, error)
+            logger.warning("%s", error)  # the error names the group
         self._transport.fail(error)  # no-op if already broken; else ABORTs the peers
         self._engine.fail_queued(error)
         for work in self._p2p:
