@@ -258,6 +258,7 @@ def _local_validation_errors(rank, world):
            lambda: dist.reduce_scatter_single(torch.ones(1, dtype=torch.complex64),
                                               torch.ones(world, dtype=torch.complex64), op=dist.ReduceOp.MAX))
     expect("int op", TypeError, lambda: dist.all_reduce(torch.ones(2), op=5))
+    expect("float8 sum", RuntimeError, lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)))
     expect("root", RuntimeError, lambda: dist.broadcast(torch.ones(1), src=world))
     expect("both roots", ValueError, lambda: dist.broadcast(torch.ones(1), src=0, group_src=0))
     expect("gather non-root", ValueError, lambda: dist.gather(torch.ones(1), [torch.ones(1)] * world, dst=0)
@@ -280,6 +281,7 @@ def test_local_mistakes_raise_before_anything_is_sent():
     assert "only defined for integer and bool tensors" in errors["float band"]
     assert "does not support MAX on complex tensors" in errors["complex max scatter"]
     assert "ReduceOp" in errors["int op"]
+    assert "SUM is not supported for torch.float8_e4m3fn tensors" in errors["float8 sum"]
     assert "invalid root rank" in errors["root"]
     assert "Can't specify both" in errors["both roots"]
     assert "requires empty output on non-root" in errors["gather non-root"]

@@ -254,7 +254,12 @@ class TcpBackend(ProcessGroupBackend):
         else:
             name = kind.name
         premul = factor if kind is RedOpType.PREMUL_SUM else None
-        return int(kind), combiner(name, dtype), premul, kind is RedOpType.AVG
+        combine = combiner(name, dtype)
+        try:  # once per (op, dtype): a dtype torch cannot reduce fails here, before anything is sent
+            combine(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype))
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            raise RuntimeError(f"{self._label}: {kind.name} is not supported for {dtype} tensors: {exc}") from None
+        return int(kind), combine, premul, kind is RedOpType.AVG
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False) -> Work:
         fingerprint = OpFingerprint.of(OpKind.BROADCAST, tensor.dtype, tensor.numel(), root)
