@@ -23,6 +23,7 @@ def test_reduce_op_members_are_instances_and_roundtrip(name):
     assert copy.deepcopy(dist.ReduceOp(op)) == op
     assert pickle.loads(pickle.dumps(dist.ReduceOp(op))) == op
     assert pickle.loads(pickle.dumps(op)) == op
+    assert str(op) == f"{op}" == f"RedOpType.{name}"  # PyTorch's enum prints its name, not the int
 
 
 def test_reduce_op_compares_unequal_to_unrelated_objects():

@@ -26,6 +26,10 @@ class RedOpType(enum.IntEnum):
     PREMUL_SUM = 8
     UNUSED = 9
 
+    # str() and f-strings show the name, as PyTorch's enum does ("RedOpType.SUM"), not the int
+    __str__ = enum.Enum.__str__
+    __format__ = enum.Enum.__format__
+
 
 class _ReduceOpMeta(type):
     # PyTorch's members are RedOpType values yet count as ReduceOp instances.
