@@ -199,6 +199,36 @@ def test_collectives_write_parameters_and_inference_tensors_in_place(backend):
         assert requires_grad
 
 
+def _sparse(rank, world):
+    uncoalesced = torch.sparse_coo_tensor([[rank, 2, 2]], [1.0, 2.0, 3.0], (4,))
+    dist.all_reduce(uncoalesced)
+    hybrid = torch.sparse_coo_tensor([[0, 1], [rank, rank]], [[1.0, 2.0], [3.0, 4.0]], (2, world, 2))
+    work = dist.all_reduce(hybrid, async_op=True)
+    work.wait()
+    empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(0), (3,))
+    dist.all_reduce(empty)
+    try:
+        dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], (2,)), op=dist.ReduceOp.MAX)
+        max_error = None
+    except RuntimeError as exc:
+        max_error = str(exc)
+    return uncoalesced, hybrid, empty, max_error
+
+
+@pytest.mark.parametrize("backend, world", [("tcp", 3), ("shm", 2)])
+def test_sparse_all_reduce_sums_and_coalesces_as_gloo(backend, world):
+    for uncoalesced, hybrid, empty, max_error in run_ranks(_sparse, world, backend=backend):
+        assert uncoalesced.is_coalesced() and hybrid.is_coalesced()
+        want = torch.zeros(4)
+        for r in range(world):
+            want[r] += 1.0
+        want[2] += 5.0 * world
+        assert torch.equal(uncoalesced.to_dense(), want)
+        assert torch.equal(hybrid.to_dense(), torch.tensor([[1.0, 2.0], [3.0, 4.0]])[:, None, :].expand(2, world, 2))
+        assert empty._nnz() == 0
+        assert "only works with ReduceOp.SUM" in max_error
+
+
 def _random_sum_is_bit_identical(rank, world):
     torch.manual_seed(rank)
     t = torch.randn(100_003)  # odd size: uneven ring chunks

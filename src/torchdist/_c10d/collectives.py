@@ -2,7 +2,7 @@
 
 Each function: resolve the group (non-members warn and get None), translate roots
 to group ranks, check what can be checked locally (list lengths, dtypes, element
-counts) so a mistake raises ``ValueError`` before anything is sent, stage
+counts) so a mistake raises (PyTorch's exception type) before anything is sent, stage
 non-contiguous tensors, and hand the op to the group's backend. What can only be
 checked across ranks (another rank passed a different shape, op or root) is
 caught by the backend's per-message fingerprints.
@@ -87,6 +87,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, as
     pg = member_group(group, "all_reduce")
     if pg is None:
         return None
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        from .sparse import sparse_all_reduce  # built on the dense collectives of this module
+
+        return sparse_all_reduce(pg, tensor, op, async_op)
     check_tensor("all_reduce", tensor)
     _check_op("all_reduce", op, [tensor])
     stage = Staging()
