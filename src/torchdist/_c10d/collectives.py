@@ -2,8 +2,8 @@
 
 Each function: resolve the group (non-members warn and get None), translate roots
 to group ranks, check what can be checked locally (list lengths, dtypes, element
-counts) so a mistake raises (PyTorch's exception type) before anything is sent, stage
-non-contiguous tensors, and hand the op to the group's backend. What can only be
+counts) so a mistake raises (with PyTorch's exception type) before anything is
+sent, stage non-contiguous tensors, and hand the op to the group's backend. What can only be
 checked across ranks (another rank passed a different shape, op or root) is
 caught by the backend's per-message fingerprints.
 
@@ -62,7 +62,7 @@ def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
     if kind in _BITWISE:
         if any(t.is_floating_point() or t.is_complex() for t in tensors):
             raise RuntimeError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
-                             f"got {tensors[0].dtype}")
+                               f"got {tensors[0].dtype}")
     elif kind not in COMPLEX_REDUCE_OPS and any(t.is_complex() for t in tensors):
         # PyTorch checks this in Python (ValueError) for all_reduce only; elsewhere its backend refuses
         error = ValueError if name.startswith("all_reduce") else RuntimeError
@@ -309,7 +309,7 @@ def _splits(op: str, tensor: torch.Tensor, sizes: list[int] | None, world: int, 
     sizes = [int(s) for s in sizes]
     if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != rows:
         raise RuntimeError(f"{op}: {name}_split_sizes {sizes} must be {world} non-negative sizes summing to "
-                         f"dim 0 of the {name} ({rows})")
+                           f"dim 0 of the {name} ({rows})")
     return sizes
 
 

@@ -75,8 +75,8 @@ logger = logging.getLogger(__name__)
 _NOT_FINISHED = "Expected to have finished reduction in the prior iteration before starting a new one. "
 
 _UNUSED_HINT = (
-    _NOT_FINISHED + "This error indicates that your module has parameters that were not used in producing loss. You can enable unused parameter "
-    "detection by passing the keyword argument `find_unused_parameters=True` to "
+    _NOT_FINISHED + "This error indicates that your module has parameters that were not used in producing loss. "
+    "You can enable unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
     "`torchdist.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs participate in "
     "calculating loss. \nIf you already have done the above, then the distributed data parallel module wasn't "
     "able to locate the output tensors in the return value of your module's `forward` function. Please include "
