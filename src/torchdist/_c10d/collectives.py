@@ -3,9 +3,9 @@
 Each function: resolve the group (non-members warn and get None), translate roots
 to group ranks, check what can be checked locally (list lengths, dtypes, element
 counts) so a mistake raises (with PyTorch's exception type) before anything is
-sent, stage non-contiguous tensors, and hand the op to the group's backend. What can only be
-checked across ranks (another rank passed a different shape, op or root) is
-caught by the backend's per-message fingerprints.
+sent, stage non-contiguous tensors, and hand the op to the group's backend. What
+can only be checked across ranks (another rank passed a different shape, op or
+root) is caught by the backend's per-message fingerprints.
 
 ``async_op=True`` returns the backend's :class:`Work`; otherwise the call returns
 None once the tensors hold the result.
