@@ -122,6 +122,9 @@ def _autograd_errors(rank, world_size):
             catch("nested", lambda: dist_autograd.context().__enter__())
             catch("not_scalar", lambda: dist_autograd.backward(context_id, [torch.ones(2, requires_grad=True)]))
             catch("no_grad", lambda: dist_autograd.backward(context_id, [torch.ones(())]))
+            catch("no_roots", lambda: dist_autograd.backward(context_id, []))
+            received = rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(2, requires_grad=True), 3))
+            catch("local_backward", lambda: received.sum().backward())
             x = torch.ones(3, requires_grad=True)
             y = rpc.rpc_sync("worker1", _fails_in_backward, args=(x,))
             catch("remote", lambda: dist_autograd.backward(context_id, [y.sum()]))
@@ -137,6 +140,8 @@ def test_autograd_errors_match_pytorch():
     assert errors["nested"] == "Already have an autograd context id for this thread."
     assert "is not a scalar, all roots need to be scalar" in errors["not_scalar"]
     assert "requires_grad not set on root" in errors["no_grad"]
+    assert errors["no_roots"] == "No tensors provided for gradient computation."
+    assert "use torchdist.autograd.backward(context_id, roots)" in errors["local_backward"]
     assert "Error on Node 1" in errors["remote"] and "backward exploded" in errors["remote"]
 
 

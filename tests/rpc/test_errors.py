@@ -65,6 +65,31 @@ def test_remote_exceptions_keep_type_message_traceback_and_callee_name():
     assert "Failed to create original exception type" in message and "TwoArgError" in message
 
 
+def exits(code):
+    raise SystemExit(code)
+
+
+def _base_exception(rank, world_size):
+    start(rank, world_size)
+    out = None
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", exits, args=(3,), timeout=5)
+        except RuntimeError as exc:
+            out = str(exc)
+        out = (out, rpc.rpc_sync("worker1", torch.add, args=(1, 2), timeout=5))
+    rpc.shutdown()
+    return out
+
+
+def test_a_remote_system_exit_is_a_runtime_error_and_the_worker_keeps_serving():
+    """A Future holds Exceptions only: a remote SystemExit (any BaseException) arrives
+    as PyTorch's RuntimeError("SystemExit: ..."), and the connection stays usable."""
+    message, after = run_ranks(_base_exception, 2, timeout=30)[0]
+    assert message.startswith("SystemExit: ") and "SystemExit(3)" in message, message
+    assert after == 3
+
+
 def _timeouts(rank, world_size):
     start(rank, world_size, rpc_timeout=5.0)
     result = {}
@@ -81,9 +106,16 @@ def _timeouts(rank, world_size):
             result["async"] = str(exc)
         rref = rpc.remote("worker1", sleep_then, args=(1.0, 5), timeout=0.2)
         try:
+            rref.to_here(timeout=0.3)  # to_here's own timeout, while the creation still runs
+        except RuntimeError as exc:
+            result["to_here"] = str(exc)
+        time.sleep(0.2)  # the creation timed out by now
+        try:
             rref.to_here()
         except RuntimeError as exc:
             result["remote"] = str(exc)
+        # a to_here() started before the creation's timeout waits for the value, as in PyTorch
+        result["late value"] = rpc.remote("worker1", sleep_then, args=(0.5, 6), timeout=0.2).to_here()
         rpc._set_rpc_timeout(0.2)
         try:
             rpc.rpc_sync("worker1", sleep_then, args=(1.0,))
@@ -100,7 +132,11 @@ def test_timeouts_raise_runtime_error_like_pytorch():
     message, elapsed = res["sync"]
     assert message == "RPCErr:1:RPC ran for more than set timeout (200 ms) and will now be marked with an error"
     assert elapsed < 0.9
-    assert res["async"] == message and res["remote"] == message
+    assert res["async"] == message
+    assert res["to_here"] == message.replace("200 ms", "300 ms")
+    assert res["remote"] == ("RRef creation via rpc.remote() timed out, and it is possible that the RRef on the owner "
+                             "node does not exist.")
+    assert res["late value"] == 6
     assert res["default"] == (0.2, message)
     assert res["infinite"] == 7
 

@@ -131,6 +131,10 @@ def _propagate(src: int, context_id: int, send_id: int, index: int, grad: torch.
     current = getattr(_pass_local, "current", None)
     if current is None:  # not on the thread that runs the pass (a device thread): the context knows it
         current = container.retrieve(context_id).current_pass
+    if current is None:  # a local .backward() reached the result of an RPC
+        raise RuntimeError(
+            "A plain .backward() reached a tensor received over RPC inside a distributed autograd context; "
+            "its gradient must go back to the sender: use torchdist.autograd.backward(context_id, roots).")
     args = (context_id, send_id, index, grad.detach(), current.backward_id, current.retain_graph)
     current.futures.append(rpc_api.rpc_async(src, backward_from_send, args=args))
 
@@ -229,6 +233,8 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     """Run the distributed backward pass from scalar ``roots`` in context ``context_id``."""
     context = container.retrieve(context_id)
     roots = list(roots)
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
     for root in roots:
         if not isinstance(root, torch.Tensor):
             raise TypeError(f"backward: roots must be tensors, got {type(root).__name__}")

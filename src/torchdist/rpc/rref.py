@@ -103,11 +103,23 @@ class RRef:
             raise RuntimeError(f"{self!r} has been deleted. Cannot call to_here() on it after deletion.")
         if self._state is not None:
             return self._state.future.wait()
-        if self._creation is not None:
-            self._creation.wait()  # a creation that failed or timed out raises its error here
+        if self._creation is not None and self._creation.done():
+            self._raise_creation_error()
         if self._error is not None:
             raise self._error
+        # The owner answers once the value exists (as PyTorch's: a creation still running,
+        # even past its own timeout, is waited for, within this call's timeout).
         return api.rpc_sync(self._owner_id, _rref_fetch, args=(self,), timeout=timeout)
+
+    def _raise_creation_error(self) -> None:
+        """Raise the error of the finished remote() call that created the value, if any."""
+        try:
+            self._creation.wait()
+        except RuntimeError as exc:
+            if str(exc).startswith("RPCErr:1:"):  # the remote() call ran past its timeout
+                raise RuntimeError("RRef creation via rpc.remote() timed out, and it is possible that the RRef on "
+                                   "the owner node does not exist.") from exc
+            raise
 
     def _get_future(self) -> torch.futures.Future:
         """The owner's value Future (owner), or a Future of ``to_here()`` (user)."""

@@ -187,6 +187,8 @@ def unpack_exception(payload: bytes) -> BaseException:
         return RuntimeError(f"Remote exception that could not be unpickled here ({exc!r})")
     if exc_type is None:
         return RuntimeError(f"Remote exception of type {type_name}: {message}")
+    if not issubclass(exc_type, Exception):  # SystemExit, KeyboardInterrupt, ...: a Future holds Exceptions only
+        return RuntimeError(f"{type_name}: {message}")
     try:
         return exc_type(message)
     except Exception as exc:
