@@ -117,6 +117,8 @@ def test_worker_names_and_options_are_validated():
         rpc.init_rpc("w", rank=0, world_size=1, rpc_backend_options=object())
     with pytest.raises(ValueError, match="1-to-1"):
         rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cpu", "meta": "cpu"}})
+    with pytest.raises(RuntimeError, match="RPC Timeout must be non-negative"):  # PyTorch's type and words
+        rpc.TensorPipeRpcBackendOptions(rpc_timeout=-5)
 
 
 def _same_name(rank, world_size):

@@ -102,7 +102,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if self.rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0 seconds, got {rpc_timeout!r}")
+            raise RuntimeError(f"RPC Timeout must be non-negative (rpc_timeout={rpc_timeout!r} seconds)")
         self.num_worker_threads = num_worker_threads
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         self.devices: list[torch.device] = [_device(d) for d in devices or []]
