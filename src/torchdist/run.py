@@ -32,7 +32,7 @@ from .elastic.agent import SignalException
 from .elastic.config import LaunchConfig, parse_min_max_nnodes, parse_nproc_per_node, parse_rdzv_conf, parse_signals
 from .elastic.launch import launch_agent
 from .elastic.multiprocessing.api import Std
-from .elastic.multiprocessing.errors import ChildFailedError, record
+from .elastic.multiprocessing.errors import ChildFailedError, get_error_handler, record
 from .elastic.rendezvous import RendezvousError
 
 __all__ = ["main", "get_args_parser", "parse_args", "config_from_args", "run"]
@@ -72,6 +72,12 @@ class _CheckEnv(Action):
         setattr(namespace, self.dest, self.const)
 
 
+def _comma_separated(value: str) -> list[str]:
+    """torchrun's list syntax: 'a,b' is two items, ',,' a literal comma."""
+    placeholder = "\0"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
 def _flag(name: str) -> list[str]:
     return [f"--{name}", f"--{name.replace('-', '_')}"] if "-" in name else [f"--{name}"]
 
@@ -104,6 +110,18 @@ def get_args_parser() -> ArgumentParser:
         help="Like --redirects, and echo to the console with a rank prefix.")
     add(*_flag("local-ranks-filter"), action=_Env, type=str, default="",
         help="Show the console output of these local ranks only (e.g. 0,1).")
+    add(*_flag("duplicate-stdout-filters"), action=_Env, type=_comma_separated, default=[],
+        help="Echoed stdout lines containing one of these (e.g. 'apple,orange'; ',,' is a comma) also go to "
+             "<log dir>/.../attempt_N/filtered_stdout.log.")
+    add(*_flag("duplicate-stderr-filters"), action=_Env, type=_comma_separated, default=[],
+        help="The same for stderr (filtered_stderr.log).")
+    add(*_flag("virtual-local-rank"), action=_CheckEnv, help="Every worker sees LOCAL_RANK=0.")
+    add(*_flag("event-log-handler"), action=_Env, type=str, default="null",
+        help="Accepted for torchrun compatibility: torchdist-run records no elastic events ('null' only).")
+    add(*_flag("logs-specs"), type=str, default=None,
+        help="Accepted for torchrun compatibility: the default log layout ('default' or unset) only.")
+    add(*_flag("numa-binding"), type=str, default=None, choices=["node", "socket", "exclusive", "core-complex"],
+        help="torchrun binds GPU workers near their GPU; torchdist-run runs CPU workers and refuses it.")
     add(*_flag("node-rank"), type=int, action=_Env, default=0, help="This node's rank (static rendezvous).")
     add(*_flag("master-addr"), default="127.0.0.1", type=str, action=_Env, help="Node 0's address (static).")
     add(*_flag("master-port"), default=None, type=int, action=_Env, help="Node 0's port (static; 29500).")
@@ -146,8 +164,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str, list[
     if args.rdzv_backend == "static":
         rdzv_configs["rank"] = args.node_rank
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 29500}"
-    else:
-        endpoint = args.rdzv_endpoint
+    else:  # torchrun's c10d default: a store on this host's port 29400
+        endpoint = args.rdzv_endpoint or "localhost:29400"
     shutdown_timeout = args.shutdown_timeout
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
@@ -158,6 +176,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str, list[
         except ValueError:
             raise SystemExit(f"torchdist-run: --local-ranks-filter {args.local_ranks_filter!r}: "
                              "expected comma-separated local ranks") from None
+    if args.event_log_handler != "null":
+        raise ValueError(f"--event-log-handler {args.event_log_handler!r}: torchdist-run records no elastic events; "
+                         "only 'null' is available")
+    if args.logs_specs not in (None, "default"):
+        raise ValueError(f"--logs-specs {args.logs_specs!r}: torchdist-run has only the default log layout")
+    if args.numa_binding is not None:
+        raise ValueError(f"--numa-binding {args.numa_binding}: it binds each worker near its GPU, and torchdist-run "
+                         "runs CPU workers; leave it out")
     secret = None
     if args.secret_file:
         try:
@@ -175,10 +201,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str, list[
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, shutdown_timeout=shutdown_timeout,
         signals_to_handle=parse_signals(args.signals_to_handle),
         log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"), secret=secret,
+        duplicate_stdout_filters=tuple(f for f in args.duplicate_stdout_filters if f),
+        duplicate_stderr_filters=tuple(f for f in args.duplicate_stderr_filters if f),
+        virtual_local_rank=args.virtual_local_rank,
     )
     if args.run_path:
         cmd = os.getenv("PYTHON_EXEC", sys.executable)
-        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        # as torchrun's: the script runs under @record, so its traceback reaches the summary
+        runner = ("import runpy, sys; from torchdist.elastic.multiprocessing.errors import record; "
+                  "sys.argv = sys.argv[1:]; record(lambda: runpy.run_path(sys.argv[0], run_name='__main__'))()")
         cmd_args = ["-u", "-c", runner, args.training_script, *args.training_script_args]
     elif args.no_python:
         if args.module:
@@ -208,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         launch_agent(config, cmd, cmd_args, name=args.training_script)
     except ChildFailedError as exc:
+        get_error_handler().dump_error_file(exc.get_first_failure()[1])  # for a launcher of this launcher
         sys.stderr.write(f"torchdist.elastic.multiprocessing.errors.ChildFailedError: \n{exc}\n")
         sys.stderr.flush()
         return 1
     except SignalException as exc:
         sys.stderr.write(f"torchdist-run: received {exc.sigval.name}; every worker was stopped\n")
-        return 128 + int(exc.sigval)
+        return 1  # torchrun's status: its SignalException ends the launcher
     except RendezvousError as exc:
         sys.stderr.write(f"torchdist-run: rendezvous failed: {type(exc).__name__}: {exc}\n")
         return 1

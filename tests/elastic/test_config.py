@@ -122,13 +122,29 @@ def test_record_writes_torchruns_error_file(tmp_path, monkeypatch):
     assert failure.has_error_file() and "KeyError" in failure.message
 
     @record
-    def exits():
-        sys.exit(0)
+    def exits(code):
+        sys.exit(code)
 
     error_file.unlink()
+    assert exits(0) is None, "torchrun's record returns None for sys.exit(0)"
     with pytest.raises(SystemExit):
-        exits()
+        exits(3)
     assert not error_file.exists(), "sys.exit is not an error"
+
+    # a launcher's record: the root-cause worker's file becomes its own, with the exit code
+    child_file = tmp_path / "child.json"
+    child_file.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {
+        "py_callstack": "Traceback ...", "timestamp": "1"}}}))
+
+    @record
+    def launcher():
+        raise ChildFailedError("train.py", {3: ProcessFailure(local_rank=1, pid=9, exitcode=-9,
+                                                               error_file=str(child_file))})
+
+    with pytest.raises(ChildFailedError):
+        launcher()
+    copied = json.loads(error_file.read_text())["message"]
+    assert copied["message"] == "ValueError: x" and copied["errorCode"] == -9
 
 
 def test_child_failed_error_names_the_first_failure():

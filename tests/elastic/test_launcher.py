@@ -7,6 +7,7 @@ that no worker outlives its launcher.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -104,6 +105,21 @@ def test_worker_exception_fails_the_job_with_summary(tmp_path):
     assert_no_orphans(_pids(tmp_path))
 
 
+def test_run_path_records_tracebacks_and_the_launcher_leaves_its_own_error_file(tmp_path):
+    """As torchrun: --run-path runs the script under @record, and the launcher copies the
+    root cause's error file to its own TORCHELASTIC_ERROR_FILE (for whatever launched it)."""
+    own = tmp_path / "launcher-error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(own)}
+    done = run_launcher("--nproc-per-node", "2", "--run-path", "--master-port", str(free_port()), WORKER,
+                        "raise-plain", str(tmp_path), env=env)
+    assert done.returncode == 1
+    root = done.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert "ValueError: plain boom from rank 1" in root and "Traceback" in root, root
+    copied = json.loads(own.read_text())["message"]
+    assert copied["message"] == "ValueError: plain boom from rank 1" and copied["errorCode"] == 1
+    assert_no_orphans(_pids(tmp_path))
+
+
 def test_worker_exit_code_is_reported(tmp_path):
     done = run_launcher("--nproc-per-node", "2", "--master-port", str(free_port()), WORKER, "exit", str(tmp_path), "0")
     assert done.returncode == 1
@@ -159,7 +175,7 @@ def test_signal_to_launcher_stops_every_worker(tmp_path, sig):
         done = launcher.finish(20)
     finally:
         launcher.kill()
-    assert done.returncode == 128 + sig, done.stderr
+    assert done.returncode == 1, done.stderr  # torchrun's status after a SignalException
     assert f"received {signal.Signals(sig).name}" in done.stderr
     assert_no_orphans(_pids(tmp_path))
 
@@ -206,8 +222,27 @@ def test_local_ranks_filter_shows_only_those_ranks(tmp_path):
     done = run_launcher("--nproc-per-node", "2", "--local-ranks-filter", "1", "--master-port", str(free_port()),
                         WORKER, "print", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[default1]:hello from rank 1"]
+    assert done.stdout.splitlines() == ["hello from rank 1"]  # as torchrun: untouched, no prefix
     assert_no_orphans(_pids(tmp_path))
+
+
+def test_duplicate_filters_and_virtual_local_rank(tmp_path):
+    logs = tmp_path / "logs"
+    done = run_launcher("--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs), "--virtual-local-rank",
+                        "--duplicate-stdout-filters", "rank 1,nothing", "--master-port", str(free_port()),
+                        WORKER, "print", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    (filtered,) = logs.glob("*/attempt_0/filtered_stdout.log")
+    assert filtered.read_text().splitlines() == ["[default1]:hello from rank 1"]
+    assert {r["LOCAL_RANK"] for r in records(tmp_path)} == {"0"}  # every worker sees LOCAL_RANK=0
+    assert_no_orphans(_pids(tmp_path))
+
+
+@pytest.mark.parametrize("flags", [["--event-log-handler", "null"], ["--logs-specs", "default"]])
+def test_torchrun_flags_without_effect_here_are_accepted(tmp_path, flags):
+    done = run_launcher("--nproc-per-node", "1", *flags, "--master-port", str(free_port()), WORKER, "print",
+                        str(tmp_path))
+    assert done.returncode == 0, done.stderr
 
 
 def test_store_refuses_connections_without_the_secret(tmp_path):

@@ -120,9 +120,9 @@ def test_restart_request_and_failure_are_seen_by_every_node():
     try:
         _in_threads(lambda: a.next_rendezvous(1), lambda: b.next_rendezvous(1))
         assert b.restart_request() is None
-        a.request_restart("workers failed", failure=True)
-        b.request_restart("second request loses", failure=False)
-        assert b.restart_request() == {"reason": "workers failed", "failure": True, "node": a.node_id}
+        a.request_restart("workers failed")
+        b.request_restart("second request loses")
+        assert b.restart_request() == {"reason": "workers failed", "node": a.node_id}
         b.report_failure({"node": b.node_id, "host": "h", "failures": {}})
         assert a.job_failure()["node"] == b.node_id and a.is_closed()
         with pytest.raises(RendezvousClosedError):

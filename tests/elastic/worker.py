@@ -75,6 +75,10 @@ elif MODE == "raise":
         time.sleep(60)
 
     main()
+elif MODE == "raise-plain":  # no @record: under --run-path the launcher's runner records it
+    if RANK == 1:
+        raise ValueError("plain boom from rank 1")
+    time.sleep(60)
 elif MODE == "exit":
     if RANK == int(ARG):
         time.sleep(0.5)

@@ -8,7 +8,7 @@ Worker states (:class:`WorkerState`) of this node's worker group, and what moves
     HEALTHY --a worker exited non-zero----------------> FAILED
     FAILED  --restarts left: ask every node to restart-> STOPPED --> INIT (TORCHELASTIC_RESTART_COUNT + 1)
     FAILED  --no restarts left: report to every node--> (the job fails; ChildFailedError summary)
-    HEALTHY --another node's workers failed-----------> STOPPED --> INIT (counts as a restart here too)
+    HEALTHY --another node's workers failed-----------> STOPPED --> INIT (no restart used here, as in torchrun)
     HEALTHY --another node reported the job failed----> STOPPED --> (the job fails, naming that node's rank)
     HEALTHY --a node joined (and there is room), or a
               participant left / stopped its heartbeat-> STOPPED --> INIT (membership change: no restart used)
@@ -150,7 +150,9 @@ class LocalElasticAgent:
                  extra_env: Mapping[str, str] | None = None, shutdown_timeout: float = 30.0,
                  exit_barrier_timeout: float = 300.0,
                  signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                                       signal.SIGQUIT)) -> None:
+                                                       signal.SIGQUIT),
+                 duplicate_filters: Mapping[Std, tuple[str, ...]] | None = None,
+                 virtual_local_rank: bool = False) -> None:
         self._spec = spec
         self._rdzv = spec.rdzv_handler
         self._run_id = run_id
@@ -164,6 +166,8 @@ class LocalElasticAgent:
         self._shutdown_timeout = shutdown_timeout
         self._exit_barrier_timeout = exit_barrier_timeout
         self._signals = signals_to_handle
+        self._duplicate_filters = {std: tuple(f) for std, f in (duplicate_filters or {}).items() if f}
+        self._virtual_local_rank = virtual_local_rank
         # Without --log-dir, logs and error files go to a temp dir, removed after a successful run.
         self._own_root = None if log_dir else tempfile.mkdtemp(prefix="torchelastic_")
         root = log_dir or self._own_root
@@ -226,7 +230,7 @@ class LocalElasticAgent:
                     self._remaining_restarts -= 1
                     log.info("[%s] worker group failed; %d/%d attempts left, restarting", self._spec.role,
                              self._remaining_restarts, self._spec.max_restarts)
-                    self._rdzv.request_restart(f"workers failed on {self._host}", failure=True)
+                    self._rdzv.request_restart(f"workers failed on {self._host}")
                     if not self._restart_workers():
                         return self._closed_after_restart()
                     continue
@@ -250,17 +254,15 @@ class LocalElasticAgent:
             self._stop_workers(signal.SIGTERM)
             return self._remote_failure_result(failed)
         request = self._rdzv.restart_request()
-        if request is not None:
-            if request["failure"]:
-                self._remaining_restarts = max(0, self._remaining_restarts - 1)
+        if request is not None:  # only the failing node spends one of its restarts (torchrun's count)
             return f"node {request['node']} asked for a restart ({request['reason']})"
         waiting = self._rdzv.num_nodes_waiting()
         if waiting:
-            self._rdzv.request_restart(f"{waiting} node(s) waiting to join", failure=False)
+            self._rdzv.request_restart(f"{waiting} node(s) waiting to join")
             return f"{waiting} node(s) waiting to join"
         lost = self._rdzv.lost_nodes()
         if lost:
-            self._rdzv.request_restart(f"node(s) {', '.join(lost)} left", failure=False)
+            self._rdzv.request_restart(f"node(s) {', '.join(lost)} left")
             return f"node(s) {', '.join(lost)} left or stopped sending heartbeats"
         return None
 
@@ -307,7 +309,7 @@ class LocalElasticAgent:
         spec = self._spec
         env = dict(os.environ)
         env.update({
-            "LOCAL_RANK": str(worker.local_rank),
+            "LOCAL_RANK": "0" if self._virtual_local_rank else str(worker.local_rank),
             "RANK": str(worker.global_rank),
             "GROUP_RANK": str(info.group_rank),
             "ROLE_RANK": str(worker.role_rank),
@@ -331,11 +333,9 @@ class LocalElasticAgent:
         prefix = Template(self._prefix_template).safe_substitute(
             role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
         quiet = self._filter is not None and worker.local_rank not in self._filter
-        tee = self._tee[worker.local_rank]
-        if self._filter is not None and not quiet:
-            tee |= Std.ALL  # torchrun: a rank shown by --local-ranks-filter is shown prefixed
         return WorkerCommand(local_rank=worker.local_rank, argv=(spec.entrypoint, *args), env=env, log_dir=log_dir,
-                             redirect=self._redirects[worker.local_rank], tee=tee, quiet=quiet, prefix=prefix)
+                             redirect=self._redirects[worker.local_rank], tee=self._tee[worker.local_rank],
+                             quiet=quiet, prefix=prefix, duplicate_filters=self._duplicate_filters)
 
     def _monitor_workers(self) -> RunResult:
         if self._start_failure is not None:

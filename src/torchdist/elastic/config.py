@@ -103,6 +103,12 @@ class LaunchConfig:
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     log_line_prefix_template: str | None = None
     secret: str | None = field(default=None, repr=False)
+    #: Lines of a tee'd stream containing one of these also go to the attempt's
+    #: filtered_stdout.log / filtered_stderr.log (torchrun's --duplicate-*-filters).
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    #: Every worker sees LOCAL_RANK=0 (torchrun's --virtual-local-rank).
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:

@@ -26,6 +26,7 @@ from typing import Any
 from .._auth import SECRET_ENV, new_secret, resolve_secret
 from .agent import LocalElasticAgent, WorkerSpec
 from .config import LaunchConfig
+from .multiprocessing.api import Std
 from .multiprocessing.errors import ChildFailedError
 from .rendezvous import RendezvousParameters, get_rendezvous_handler
 
@@ -82,6 +83,8 @@ def launch_agent(config: LaunchConfig, entrypoint: str, args: list[str], name: s
             local_ranks_filter=config.local_ranks_filter, log_line_prefix_template=config.log_line_prefix_template,
             extra_env={SECRET_ENV: secret} if secret else {SECRET_ENV: ""}, shutdown_timeout=config.shutdown_timeout,
             exit_barrier_timeout=config.exit_barrier_timeout, signals_to_handle=config.signals_to_handle,
+            duplicate_filters={Std.OUT: config.duplicate_stdout_filters, Std.ERR: config.duplicate_stderr_filters},
+            virtual_local_rank=config.virtual_local_rank,
         )
     except BaseException:
         handler.shutdown()

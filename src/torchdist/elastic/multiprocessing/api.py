@@ -96,6 +96,9 @@ class WorkerCommand:
     tee: Std = Std.NONE  # streams written to files and echoed with ``prefix``
     quiet: bool = False  # local_ranks_filter excludes this rank from the console
     prefix: str = ""
+    #: Per stream: echoed lines containing one of these strings are also appended
+    #: (prefixed) to filtered_stdout.log / filtered_stderr.log next to the ranks' dirs.
+    duplicate_filters: Mapping[Std, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def error_file(self) -> str:
@@ -147,7 +150,6 @@ class _Worker:
         self.proc = subprocess.Popen(
             list(command.argv),
             env=dict(command.env),
-            stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,
@@ -161,18 +163,25 @@ class _Worker:
                 continue
             tee = bool(self.command.tee & std) and not self.command.quiet
             log_file = open(self._log_path(std), "wb") if (self.command.tee | self.command.redirect) & std else None
+            filters = self.command.duplicate_filters.get(std, ()) if tee else ()
             copier = StreamCopier(
                 pipe,
                 log_file=log_file,
                 console=_binary(console) if tee else None,
                 prefix=self.command.prefix.encode(),
                 name=f"torchdist-tee-{self.command.local_rank}-{std.name.lower()}",
+                duplicate=(self._filtered_path(std), filters) if filters else None,
             )
             copier.start()
             self.copiers.append(copier)
 
     def _log_path(self, std: Std) -> str:
         return os.path.join(self.command.log_dir, "stdout.log" if std == Std.OUT else "stderr.log")
+
+    def _filtered_path(self, std: Std) -> str:
+        """The attempt's file of filtered lines, shared by its ranks (torchrun's layout)."""
+        name = "filtered_stdout.log" if std == Std.OUT else "filtered_stderr.log"
+        return os.path.join(os.path.dirname(self.command.log_dir), name)
 
     def _target(self, std: Std):
         """Where the child writes ``std``: inherited, a file, a pipe (tee), or nowhere."""

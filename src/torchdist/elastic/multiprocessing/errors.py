@@ -82,6 +82,22 @@ class ErrorHandler:
         except OSError as write_error:
             log.warning("could not write the error file %s: %s", path, write_error)
 
+    def dump_error_file(self, failure: "ProcessFailure") -> None:
+        """A launcher's own error file: its root-cause worker's record, with the exit code
+        (a worker killed by a signal could not write it), for whoever launched the launcher."""
+        path = self.error_file()
+        if not path or not failure.has_error_file():
+            return
+        data = json.loads(json.dumps(failure.error_file_data))  # a copy
+        if failure.exitcode and isinstance(data.get("message"), dict):
+            data["message"]["errorCode"] = failure.exitcode
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as fp:
+                json.dump(data, fp)
+        except OSError as write_error:
+            log.warning("could not write the error file %s: %s", path, write_error)
+
 
 def get_error_handler() -> ErrorHandler:
     return ErrorHandler()
@@ -90,8 +106,10 @@ def get_error_handler() -> ErrorHandler:
 def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> F:
     """Decorate a worker's main function: an uncaught exception is written to the error file, then re-raised.
 
-    ``SystemExit`` is not an error here (``sys.exit(0)`` must stay a success, and a
-    non-zero exit is reported through its exit code), as in torchrun.
+    As torchrun's: ``SystemExit`` is not an error here (a non-zero exit is reported
+    through its exit code, and ``sys.exit(0)`` returns None from the decorated
+    function); a :class:`ChildFailedError` (a launcher's) copies the root-cause
+    worker's error file to this process's own.
     """
     handler = error_handler or get_error_handler()
 
@@ -101,7 +119,12 @@ def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> F:
             handler.initialize()
             try:
                 return f(*args, **kwargs)
-            except SystemExit:
+            except SystemExit as exc:
+                if exc.code in (0, None):
+                    return None
+                raise
+            except ChildFailedError as exc:
+                handler.dump_error_file(exc.get_first_failure()[1])
                 raise
             except BaseException as exc:
                 handler.record_exception(exc)

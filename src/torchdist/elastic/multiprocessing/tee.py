@@ -4,11 +4,15 @@ One :class:`StreamCopier` thread per piped stream. Lines are written whole under
 one lock per console stream, so the output of two ranks never interleaves inside
 a line; a partial last line (no newline before EOF) is still written. The thread
 ends when the worker closes its end of the pipe (it exited, or was killed).
+Echoed lines that contain one of the ``duplicate`` filters are also appended,
+prefixed, to a file the ranks share: one ``write`` per line in append mode, so
+lines of different ranks do not interleave there either.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import BinaryIO
 
@@ -30,13 +34,18 @@ class StreamCopier(threading.Thread):
     """Reads ``source`` to EOF; writes raw lines to ``log_file`` and ``prefix + line`` to ``console``."""
 
     def __init__(self, source: BinaryIO, *, log_file: BinaryIO | None, console: BinaryIO | None,
-                 prefix: bytes, name: str) -> None:
+                 prefix: bytes, name: str, duplicate: tuple[str, tuple[str, ...]] | None = None) -> None:
         super().__init__(name=name, daemon=True)
         self._source = source
         self._log_file = log_file
         self._console = console
         self._prefix = prefix
         self._lock = console_lock(console) if console is not None else None
+        self._duplicate = None  # (file descriptor, filters as bytes)
+        if duplicate is not None:
+            path, filters = duplicate
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._duplicate = (fd, tuple(f.encode() for f in filters))
 
     def run(self) -> None:
         try:
@@ -50,9 +59,13 @@ class StreamCopier(threading.Thread):
                     with self._lock:
                         self._console.write(self._prefix + line)
                         self._console.flush()
+                    if self._duplicate is not None and any(f in line for f in self._duplicate[1]):
+                        os.write(self._duplicate[0], self._prefix + line)
         except (OSError, ValueError) as exc:  # the console or the file went away
             log.debug("%s stopped copying: %s", self.name, exc)
         finally:
             self._source.close()
             if self._log_file is not None:
                 self._log_file.close()
+            if self._duplicate is not None:
+                os.close(self._duplicate[0])

@@ -239,12 +239,12 @@ class RendezvousHandler(abc.ABC):
         """Participants of the current round that left or stopped sending heartbeats."""
 
     @abc.abstractmethod
-    def request_restart(self, reason: str, *, failure: bool) -> None:
+    def request_restart(self, reason: str) -> None:
         """Ask every node of the current round to stop its workers and form a new round."""
 
     @abc.abstractmethod
     def restart_request(self) -> dict | None:
-        """The restart some node asked for in the current round, if any: ``{"reason", "failure", "node"}``."""
+        """The restart some node asked for in the current round, if any: ``{"reason", "node"}``."""
 
     @abc.abstractmethod
     def report_failure(self, summary: dict) -> None:

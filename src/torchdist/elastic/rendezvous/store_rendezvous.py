@@ -322,8 +322,8 @@ class StoreRendezvousHandler(RendezvousHandler):
                     lost.append(node.node_id)
         return lost
 
-    def request_restart(self, reason: str, *, failure: bool) -> None:
-        request = json.dumps({"reason": reason, "failure": failure, "node": self._node_id})
+    def request_restart(self, reason: str) -> None:
+        request = json.dumps({"reason": reason, "node": self._node_id})
         with _store_errors("requesting a restart", self._where):
             self._store.compare_set(self._rk("restart"), "", request)
 
