@@ -165,6 +165,25 @@ def test_failure_on_one_node_stops_the_other(tmp_path):
     assert_no_orphans(_pids(tmp_path))
 
 
+def test_restart_counts_are_per_node(tmp_path):
+    """As torchrun: rank 1's node fails once and spends its restart; node 0 restarts with it
+    but spends none (its workers still see TORCHELASTIC_RESTART_COUNT=0)."""
+    port = free_port()
+    env = clean_env(TORCHDIST_SECRET="restart-count-secret")
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.05",
+              "--master-port", str(port)]
+    node0 = Launcher(*common, "--node-rank", "0", WORKER, "fail-once", str(tmp_path), "barrier", env=env)
+    node1 = Launcher(*common, "--node-rank", "1", WORKER, "fail-once", str(tmp_path), "barrier", env=env)
+    try:
+        done0, done1 = node0.finish(), node1.finish()
+    finally:
+        node0.kill(), node1.kill()
+    assert done0.returncode == 0 and done1.returncode == 0, (done0.stderr, done1.stderr)
+    counts = sorted((r["RANK"], r["TORCHELASTIC_RESTART_COUNT"]) for r in records(tmp_path))
+    assert counts == [("0", "0"), ("0", "0"), ("1", "0"), ("1", "1")], counts
+    assert_no_orphans(_pids(tmp_path))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_stops_every_worker(tmp_path, sig):
     launcher = Launcher("--nproc-per-node", "2", "--master-port", str(free_port()), WORKER, "sleep", str(tmp_path),

@@ -65,6 +65,8 @@ if MODE == "env":
 elif MODE == "fail-once":
     if RANK == 1 and ATTEMPT == 0:
         sys.exit(3)
+    if ARG == "barrier":  # the others wait for rank 1's next attempt (no node finishes early)
+        store_barrier()
 elif MODE == "raise":
     from torchdist.elastic.multiprocessing.errors import record
 
