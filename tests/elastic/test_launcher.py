@@ -147,16 +147,20 @@ def test_max_restarts_restarts_the_group(tmp_path):
     assert_no_orphans(_pids(tmp_path))
 
 
-def test_failure_on_one_node_stops_the_other(tmp_path):
-    port = free_port()
-    env = clean_env(TORCHDIST_SECRET="failure-test-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port)]
-    node0 = Launcher(*common, "--node-rank", "0", WORKER, "exit", str(tmp_path), "1", env=env)
-    node1 = Launcher(*common, "--node-rank", "1", WORKER, "exit", str(tmp_path), "1", env=env)
+def _two_static_nodes(flags: list[str], worker_args: list[str]):
+    """Run two launchers (node ranks 0 and 1, one worker each) to their end."""
+    env = clean_env(TORCHDIST_SECRET="two-nodes-secret")
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(free_port()), *flags]
+    nodes = [Launcher(*common, "--node-rank", str(rank), WORKER, *worker_args, env=env) for rank in (0, 1)]
     try:
-        done0, done1 = node0.finish(), node1.finish()
+        return [node.finish() for node in nodes]
     finally:
-        node0.kill(), node1.kill()
+        for node in nodes:
+            node.kill()
+
+
+def test_failure_on_one_node_stops_the_other(tmp_path):
+    done0, done1 = _two_static_nodes([], ["exit", str(tmp_path), "1"])
     assert done1.returncode == 1 and "exitcode  : 7" in done1.stderr
     assert done0.returncode == 1, "the node whose workers were fine fails the job too"
     root = done0.stderr.split("Root Cause (first observed failure):", 1)[1]
@@ -168,16 +172,8 @@ def test_failure_on_one_node_stops_the_other(tmp_path):
 def test_restart_counts_are_per_node(tmp_path):
     """As torchrun: rank 1's node fails once and spends its restart; node 0 restarts with it
     but spends none (its workers still see TORCHELASTIC_RESTART_COUNT=0)."""
-    port = free_port()
-    env = clean_env(TORCHDIST_SECRET="restart-count-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.05",
-              "--master-port", str(port)]
-    node0 = Launcher(*common, "--node-rank", "0", WORKER, "fail-once", str(tmp_path), "barrier", env=env)
-    node1 = Launcher(*common, "--node-rank", "1", WORKER, "fail-once", str(tmp_path), "barrier", env=env)
-    try:
-        done0, done1 = node0.finish(), node1.finish()
-    finally:
-        node0.kill(), node1.kill()
+    done0, done1 = _two_static_nodes(["--max-restarts", "1", "--monitor-interval", "0.05"],
+                                     ["fail-once", str(tmp_path), "barrier"])
     assert done0.returncode == 0 and done1.returncode == 0, (done0.stderr, done1.stderr)
     counts = sorted((r["RANK"], r["TORCHELASTIC_RESTART_COUNT"]) for r in records(tmp_path))
     assert counts == [("0", "0"), ("0", "0"), ("1", "0"), ("1", "1")], counts

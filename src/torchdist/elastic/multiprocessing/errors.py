@@ -71,26 +71,23 @@ class ErrorHandler:
                 },
             }
         }
-        path = self.error_file()
-        if not path:
+        if not self.error_file():
             log.debug("%s is not set; not writing an error file for %r", ERROR_FILE_ENV, exc)
             return
-        try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "w") as fp:
-                json.dump(data, fp)
-        except OSError as write_error:
-            log.warning("could not write the error file %s: %s", path, write_error)
+        self._write(data)
 
     def dump_error_file(self, failure: "ProcessFailure") -> None:
         """A launcher's own error file: its root-cause worker's record, with the exit code
         (a worker killed by a signal could not write it), for whoever launched the launcher."""
-        path = self.error_file()
-        if not path or not failure.has_error_file():
+        if not self.error_file() or not failure.has_error_file():
             return
         data = json.loads(json.dumps(failure.error_file_data))  # a copy
         if failure.exitcode and isinstance(data.get("message"), dict):
             data["message"]["errorCode"] = failure.exitcode
+        self._write(data)
+
+    def _write(self, data: dict) -> None:
+        path = self.error_file()
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "w") as fp:
