@@ -229,6 +229,26 @@ def test_sparse_all_reduce_sums_and_coalesces_as_gloo(backend, world):
         assert "only works with ReduceOp.SUM" in max_error
 
 
+def _future_values(rank, world):
+    gathered = torch.zeros(world, 2)
+    work = dist.all_gather_single(gathered, torch.full((2,), float(rank)), async_op=True)
+    per_rank = work.get_future().wait()
+    exchanged = torch.zeros(world)
+    work = dist.all_to_all_single(exchanged, torch.arange(float(world)) + 10 * rank, async_op=True)
+    whole = work.get_future().wait()
+    return ([t.shape for t in per_rank], all(t.data_ptr() == gathered[i].data_ptr() for i, t in enumerate(per_rank)),
+            len(whole), whole[0] is exchanged or whole[0].data_ptr() == exchanged.data_ptr())
+
+
+def test_async_results_are_pytorchs():
+    """PyTorch's Work.result() and future: all_gather_single one view per rank of the
+    output, all_to_all_single the whole output."""
+    world = 3
+    for shapes, views, count, whole in run_ranks(_future_values, world, backend="tcp"):
+        assert shapes == [torch.Size([1, 2])] * world and views
+        assert count == 1 and whole
+
+
 def _random_sum_is_bit_identical(rank, world):
     torch.manual_seed(rank)
     t = torch.randn(100_003)  # odd size: uneven ring chunks

@@ -131,8 +131,10 @@ class Staging:
         self._copy_back.append((tensor, stage))
         return self._wire(stage)
 
-    def finish(self, work: Work, async_op: bool) -> Work | None:
-        """Attach the copies back to ``work``; wait for it unless ``async_op``."""
+    def finish(self, work: Work, async_op: bool, result: list[torch.Tensor] | None = None) -> Work | None:
+        """Attach the copies back to ``work``; wait for it unless ``async_op``. ``result``:
+        what ``work.result()`` and its future hold, where PyTorch's choice for the op is
+        not the tensors the backend wrote (views of the caller's tensors)."""
         if self._copy_back:
             copies = self._copy_back
 
@@ -143,6 +145,8 @@ class Staging:
 
             work._on_done(copy_back)
         if async_op:
+            if result is not None:
+                work._outputs = result
             return work
         work.wait()
         return None

@@ -169,7 +169,8 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
     stage = Staging()
     work = pg.backend.allgather_into_tensor(stage.output(output_tensor), stage.input(input_tensor),
                                            async_op=async_op)
-    return stage.finish(work, async_op)
+    per_rank = list(output_tensor.chunk(pg.size())) if async_op else None  # PyTorch's result: one view per rank
+    return stage.finish(work, async_op, result=per_rank)
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
@@ -329,7 +330,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     stage = Staging()
     out_chunks = [stage.output(t) for t in torch.split(output.view(-1) if output.dim() == 0 else output, out_sizes)]
     in_chunks = [stage.input(t) for t in torch.split(input.view(-1) if input.dim() == 0 else input, in_sizes)]
-    return stage.finish(pg.backend.alltoall(out_chunks, in_chunks, async_op=async_op), async_op)
+    return stage.finish(pg.backend.alltoall(out_chunks, in_chunks, async_op=async_op), async_op, result=[output])
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None) -> Work | None:
