@@ -121,6 +121,8 @@ def _p2p(rank, world):
     # A ring with batch_isend_irecv.
     send, recv = torch.full((3,), float(rank)), torch.zeros(3)
     ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    # as PyTorch's: the default group and the peer as global and group rank
+    out["p2pop"] = (ops[0].group is dist.group.WORLD, ops[0].peer, ops[0].group_peer)
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     out["ring"] = recv[0].item()
@@ -139,6 +141,8 @@ def test_point_to_point(world_size):
     assert results[0]["tags"] == ([1.0, 1.0], [2.0, 2.0])
     assert results[0]["any_source"] == list(range(1, world_size))
     assert [r["ring"] for r in results] == [float((r - 1) % world_size) for r in range(world_size)]
+    assert [r["p2pop"] for r in results] == [(True, (r + 1) % world_size, (r + 1) % world_size)
+                                             for r in range(world_size)]
     assert results[-1]["objects"] == ({"a": 1}, [1.0, 1.0])
 
 

@@ -17,7 +17,7 @@ from .._process_group.process_group import ProcessGroup
 from .._process_group.work import Work
 from ..errors import DistBackendError
 from ._args import Staging, check_tensor, group_root, member_group
-from .world import WORLD
+from .world import NON_GROUP_MEMBER, WORLD
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier"]
 
@@ -107,10 +107,16 @@ class P2POp:
             raise ValueError("P2POp: peer or group_peer must be given")
         self.op = op
         self.tensor = tensor
-        self.peer = peer
-        self.group = group
         self.tag = tag
-        self.group_peer = group_peer
+        # As PyTorch's: the group resolved (None: the default group), the peer as both its
+        # global rank and its group rank. A non-member keeps what it was given.
+        pg = WORLD.resolve(group)
+        if pg is NON_GROUP_MEMBER:
+            self.group, self.peer, self.group_peer = group, peer, group_peer
+        else:
+            self.group = pg
+            self.group_peer = group_root(pg, "P2POp", peer, group_peer)
+            self.peer = pg.global_ranks[self.group_peer]
 
     def __repr__(self) -> str:
         return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
@@ -126,10 +132,11 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         raise ValueError("All ops need to use the same group.")
     works = []
     for p in p2p_op_list:
+        peer = None if p.group_peer is not None else p.peer  # one of the two, as resolved by P2POp
         if p.op is isend:
-            work = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+            work = isend(p.tensor, peer, p.group, p.tag, p.group_peer)
         else:
-            work = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+            work = irecv(p.tensor, peer, p.group, p.tag, p.group_peer)
         if work is not None:
             works.append(work)
     return works
