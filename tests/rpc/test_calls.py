@@ -98,14 +98,23 @@ def _bad_destinations(rank, world_size):
             call()
         except RuntimeError as exc:
             errors.append(str(exc))
+    for call, kind in ((lambda: rpc.rpc_sync(1.5, add_scaled, args=(1, 1)), ValueError),
+                       (lambda: rpc.rpc_sync("worker1", 3), TypeError),
+                       (lambda: rpc.remote("worker1", "not a function"), TypeError)):
+        try:
+            call()
+        except kind as exc:  # PyTorch's types, raised here, before anything is sent
+            errors.append(str(exc))
     rpc.shutdown()
     return errors
 
 
 def test_unknown_destination_raises_could_not_find_destination():
     errors = run_ranks(_bad_destinations, 2, timeout=30)[0]
-    assert errors == ["name:worker0,rank:0 could not find destination name nobody"] * 2 + [
+    assert errors[:3] == ["name:worker0,rank:0 could not find destination name nobody"] * 2 + [
         "name:worker0,rank:0 could not find destination id 5"]
+    assert errors[3].startswith("Cannot get WorkerInfo from name 1.5")
+    assert errors[4:] == ["function should be callable."] * 2
 
 
 def test_worker_names_and_options_are_validated():

@@ -76,7 +76,9 @@ class _Runtime:
             to = to.name
         if isinstance(to, str) or (isinstance(to, int) and not isinstance(to, bool)):
             return self.agent.get_worker_info(to).id
-        raise TypeError(f"RPC destination must be a worker name, WorkerInfo or rank, got {type(to).__name__}")
+        # PyTorch's words: anything else is looked up as a name
+        raise ValueError(f"Cannot get WorkerInfo from name {to} (an RPC destination is a worker name, WorkerInfo "
+                         f"or rank, got {type(to).__name__})")
 
     def call_timeout(self, timeout: float | None) -> float:
         """<0 (unset): the default; 0: no timeout; >0: seconds."""
@@ -232,6 +234,8 @@ def _context_id(dst: int) -> int:
 def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
               timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
     """Run ``func(*args, **kwargs)`` on ``to``; a ``torch.futures.Future`` of the result."""
+    if not callable(func):
+        raise TypeError("function should be callable.")
     runtime = _get()
     dst = runtime.resolve(to)
     request = (RequestKind.CALL, func, tuple(args or ()), dict(kwargs or {}), None)
@@ -249,6 +253,8 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
     """Run ``func`` on ``to`` and keep the result there; returns an RRef to it."""
     from .rref import RRef  # rref imports this module
 
+    if not callable(func):
+        raise TypeError("function should be callable.")
     runtime = _get()
     dst = runtime.resolve(to)
     rrefs = runtime.rrefs
