@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         return run(parse_args(argv))
-    except ValueError as exc:
+    except ValueError as exc:  # a bad flag value: torchrun's status for it is 1 (its ValueError ends it)
         sys.stderr.write(f"torchdist-run: {exc}\n")
-        return 2
+        return 1
 
 
 if __name__ == "__main__":
