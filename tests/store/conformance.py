@@ -328,6 +328,18 @@ class StoreConformance:
         assert store.check(["q"])
         store.wait(["q"], SHORT)
 
+    def test_queues_are_a_namespace_of_their_own(self, store: Store) -> None:
+        """As in PyTorch: a queue is not counted, listed or deleted as a key."""
+        self._needs_queues()
+        before = store.num_keys()
+        store.queue_push("q", "1")
+        assert store.num_keys() == before
+        assert store.delete_key("q") is False and store.queue_len("q") == 1
+        store.set("k", "v")
+        store.queue_push("k", "2")
+        assert store.num_keys() == before + 1
+        assert store.list_keys().count("k") == 1 and "q" not in store.list_keys()
+
     def test_queue_pop_released_by_push_from_another_thread(self, store: Store, clone) -> None:
         self._needs_queues()
         other = clone()

@@ -17,7 +17,10 @@ from typing import Callable, Iterable
 
 
 class KeyValueTable:
-    """Keys to byte values, plus FIFO queues; one mutation notifies ``on_change``."""
+    """Keys to byte values, plus FIFO queues; one mutation notifies ``on_change``.
+
+    Queues are a namespace of their own, as in PyTorch: ``num_keys``, ``list_keys``
+    and ``delete_key`` see only keys with values; ``check``/``wait`` see both."""
 
     def __init__(self, on_change: Callable[[str], None] | None = None) -> None:
         self._data: dict[str, bytes] = {}
@@ -37,10 +40,10 @@ class KeyValueTable:
         return all(self.contains(key) for key in keys)
 
     def num_keys(self) -> int:
-        return len(self._data) + sum(1 for q in self._queues.values() if q)
+        return len(self._data)
 
     def list_keys(self) -> list[str]:
-        return list(self._data) + [k for k, q in self._queues.items() if q]
+        return list(self._data)
 
     # -- writes --------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -84,9 +87,7 @@ class KeyValueTable:
         self._on_change(key)
 
     def delete(self, key: str) -> bool:
-        existed = self._data.pop(key, None) is not None
-        existed = bool(self._queues.pop(key, None)) or existed
-        return existed
+        return self._data.pop(key, None) is not None
 
     # -- queues --------------------------------------------------------------------
     def queue_push(self, key: str, value: bytes) -> None:
