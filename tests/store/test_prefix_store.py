@@ -213,3 +213,24 @@ def test_same_layout_as_pytorchs_prefix_store() -> None:
         return [sorted(base.list_keys()), sorted(store.list_keys()), store.num_keys()]
 
     assert layout(PrefixStore, HashStore) == layout(dist.PrefixStore, dist.HashStore)
+
+
+def test_a_store_subclass_below_receives_bytes() -> None:
+    """As PyTorch's C++ PrefixStore: values reach a Python Store subclass as bytes."""
+    seen: list[object] = []
+
+    class Recording(CoreOnlyStore):
+        def set(self, key: str, value: str | bytes) -> None:
+            seen.append(value)
+            super().set(key, value)
+
+        def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+            seen.extend([expected, desired])
+            return super().compare_set(key, expected, desired)
+
+    store = PrefixStore("p", Recording())
+    store.set("k", "v")
+    store.compare_set("k", "v", "w")
+    store.append("k", "x")  # emulated through compare_set
+    assert seen and all(isinstance(value, bytes) for value in seen), seen
+    assert store.get("k") == b"wx"

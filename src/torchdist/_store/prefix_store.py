@@ -64,7 +64,8 @@ class PrefixStore(Store):
 
     # -- core operations -----------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self._store.set(self._key(key), value)
+        # bytes to the store below, as PyTorch's C++ PrefixStore hands a Python Store subclass
+        self._store.set(self._key(key), to_bytes(value))
 
     def get(self, key: str) -> bytes:
         return self._store.get(self._key(key))
@@ -73,7 +74,7 @@ class PrefixStore(Store):
         return self._store.add(self._key(key), amount)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return self._store.compare_set(self._key(key), expected, desired)
+        return self._store.compare_set(self._key(key), to_bytes(expected), to_bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = [self._key(k) for k in keys]
@@ -105,11 +106,10 @@ class PrefixStore(Store):
         return self._store.has_extended_api()
 
     def append(self, key: str, value: str | bytes) -> None:
-        key = self._key(key)
+        key, value = self._key(key), to_bytes(value)
         if self._store.has_extended_api():
             self._store.append(key, value)
             return
-        value = to_bytes(value)
         # compare_set returns the new value on success and the current one on
         # failure; start from what is there now, retry from what we are told.
         current = self._store.get(key) if self._store.check([key]) else b""
@@ -129,7 +129,7 @@ class PrefixStore(Store):
         return [self._store.get(k) for k in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        keys, values = [self._key(k) for k in keys], list(values)
+        keys, values = [self._key(k) for k in keys], [to_bytes(v) for v in values]
         if len(keys) != len(values):
             raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
         if self._store.has_extended_api():
@@ -140,7 +140,7 @@ class PrefixStore(Store):
 
     # -- queues --------------------------------------------------------------------
     def queue_push(self, key: str, value: str | bytes) -> None:
-        self._store.queue_push(self._key(key), value)
+        self._store.queue_push(self._key(key), to_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         return self._store.queue_pop(self._key(key), block)
