@@ -162,6 +162,15 @@ class StoreConformance:
             store.add("text", 1)
         assert store.get("text") == b"abc"
 
+    def test_add_wraps_around_int64_and_takes_int_amounts_only(self, store: Store) -> None:
+        """As PyTorch's int64 counters: the sum wraps around; a float or an amount past int64 is a TypeError."""
+        assert store.add("big", 1 << 62) == 1 << 62
+        assert store.add("big", 1 << 62) == -(1 << 63)
+        for amount in (1.5, 1 << 64):
+            with pytest.raises(TypeError):
+                store.add("big", amount)
+        assert store.add("big", 1) == -(1 << 63) + 1
+
     # -- timeouts ------------------------------------------------------------------
     def test_timeout_property_and_set_timeout(self, store: Store) -> None:
         assert store.timeout == LONG

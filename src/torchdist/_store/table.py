@@ -12,8 +12,19 @@ calls ``on_change(key)`` so the owner can wake whoever waits for that key.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from typing import Callable, Iterable
+
+_INT64 = 1 << 64
+
+
+def int64_amount(amount: object) -> int:
+    """``add``'s amount: an int that fits int64, as PyTorch's binding requires (TypeError else)."""
+    amount = operator.index(amount)
+    if not -(1 << 63) <= amount < 1 << 63:
+        raise TypeError(f"add: the amount {amount} does not fit a signed 64-bit integer")
+    return amount
 
 
 class KeyValueTable:
@@ -54,11 +65,12 @@ class KeyValueTable:
         """Counters are stored as ASCII decimal so ``get`` returns e.g. ``b"21"``."""
         current = self._data.get(key)
         try:
-            total = (int(current) if current is not None else 0) + int(amount)
+            total = (int(current) if current is not None else 0) + int64_amount(amount)
         except ValueError:
             raise ValueError(
                 f"add: the value of key {key!r} is {current!r}, which is not an integer counter"
             ) from None
+        total = (total + (1 << 63)) % _INT64 - (1 << 63)  # int64 wraps around, as PyTorch's counters do
         self._data[key] = str(total).encode()
         self._on_change(key)
         return total

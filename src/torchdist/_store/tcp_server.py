@@ -527,8 +527,6 @@ class TCPServer:
             return HEADER_I64.pack(9, Status.OK, total)
         except ValueError as exc:
             return _error(str(exc))
-        except struct.error:
-            return _error(f"add: the counter left the int64 range after adding {amount}")
 
     def _op_compare_set(self, conn: _Conn, buf, pos: int, end: int) -> bytes:
         klen, elen = _KEY_LENGTHS.unpack_from(buf, pos)

@@ -32,7 +32,6 @@ only for the store and its error handling is the store's contract.
 from __future__ import annotations
 
 import logging
-import operator
 import random
 import socket
 import struct
@@ -47,6 +46,7 @@ from .._auth import AuthenticationError, ClientHandshake, resolve_secret
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
 from . import wire
 from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, to_bytes, wait_timeout_error
+from .table import int64_amount
 from .tcp_server import TCPServer, acquire_server, release_server, retain_server
 from .wire import HEADER, HEADER_I64, HEADER_U8, I64, U32, Op, Status
 
@@ -477,7 +477,7 @@ class TCPStore(Store):
         return self._conn.wait_call(HEADER.pack(len(kb) + 1, Op.GET) + kb, self._timeout, (key,))[1]
 
     def add(self, key: str, amount: int) -> int:
-        return self._add_raw(_key(key), operator.index(amount))
+        return self._add_raw(_key(key), int64_amount(amount))
 
     def _add_raw(self, kb: bytes, amount: int) -> int:
         body = self._conn.call(HEADER_I64.pack(len(kb) + 9, Op.ADD, amount) + kb)[1]
