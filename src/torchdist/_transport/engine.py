@@ -40,12 +40,20 @@ from typing import Callable
 
 from .base import Transport
 
-__all__ = ["Engine", "EngineOp"]
+__all__ = ["Engine", "EngineOp", "on_worker_thread"]
 
 logger = logging.getLogger(__name__)
 
 #: How long the worker blocks in one ``progress`` call while transfers are pending.
 _IDLE_POLL_S = 0.05
+
+_thread_role = threading.local()
+
+
+def on_worker_thread() -> bool:
+    """Whether the calling thread is an engine's worker, i.e. runs ops that some
+    caller issued and went on from (it is computing, or waits on a Work)."""
+    return getattr(_thread_role, "worker", False)
 
 
 class EngineOp:
@@ -220,6 +228,7 @@ class Engine:
                 self._wake_worker()
 
     def _work(self) -> None:
+        _thread_role.worker = True
         while True:
             with self._cv:
                 while not self._closed and (self._busy or not self._has_work()):
