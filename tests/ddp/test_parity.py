@@ -43,6 +43,35 @@ def test_ddp_matches_single_process(world_size, name, view):
             assert torch.equal(got[k], results[0][0][k]), f"rank {rank} differs from rank 0 in {k}"
 
 
+def _train_with_spare_cores(rank, world_size, name, ddp_kwargs):
+    """A host faked to have four CPUs per rank: the shm backend overlaps async ops with
+    compute there, so DDP issues its buckets with async_op=True and they run on the
+    engine's worker while backward goes on."""
+    import threading
+
+    os.sched_getaffinity = lambda pid: set(range(4 * world_size))
+    dist.init_process_group("gloo")
+    try:
+        overlaps = dist.group.WORLD.backend.async_overlaps_compute
+        result = _train(rank, world_size, name, 4, ddp_kwargs)
+        workers = [t.name for t in threading.enumerate() if t.name.startswith("torchdist-")]
+        return result, overlaps, workers
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["all-used", "find-unused"])
+def test_buckets_reduced_on_the_worker_on_hosts_with_spare_cores_match_single_process(find_unused):
+    kwargs = {"bucket_cap_mb": 0.3, "find_unused_parameters": find_unused}
+    results = run_ranks(_train_with_spare_cores, 2, args=("wide", kwargs), timeout=90)
+    want = train_reference("wide", 2, 4)
+    for (got, _), overlaps, workers in results:
+        assert overlaps and workers, (overlaps, workers)  # 256 KiB buckets went to the worker
+        assert_close_states(got, want)
+        for k in got:
+            assert torch.equal(got[k], results[0][0][0][k])
+
+
 def _rebuild(rank, world_size):
     class Reordered(nn.Module):  # defined a, b, c but used c -> a -> b: arrival order is b, a, c
         def __init__(self):

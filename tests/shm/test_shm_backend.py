@@ -322,3 +322,47 @@ def _p2p_pending_across_a_collective(rank: int, world: int) -> float:
 
 def test_pending_p2p_progresses_while_a_collective_waits() -> None:
     assert run_ranks(_p2p_pending_across_a_collective, 2, backend="shm", timeout=60) == [2.0, 2.0]
+
+
+def _spare_cores(rank: int, world: int, cores: int) -> tuple[bool, list[str], list[float]]:
+    """On a host faked to have ``cores`` CPUs: does a large async all-reduce run on the
+    engine's worker (which does not poll, see Steps._wait) while the caller goes on?"""
+    import threading
+
+    from torchdist._algorithms import shm_direct
+    from torchdist._transport.engine import on_worker_thread
+
+    os.sched_getaffinity = lambda pid: set(range(cores))
+    torchdist.init_process_group("shm")
+    try:
+        threads = []
+        run = shm_direct.allreduce
+
+        def recording(comm, flat, *args):
+            threads.append("worker" if on_worker_thread() else threading.current_thread().name)
+            run(comm, flat, *args)
+        shm_direct.allreduce = recording
+        backend = torchdist.group.WORLD.backend
+        big = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: over the wake-up size
+        torchdist.barrier()  # both ranks are inside the next op soon: inline would be allowed
+        time.sleep(0.05 * rank)
+        work = torchdist.all_reduce(big, async_op=True)
+        time.sleep(0.2)  # "compute": a wait right away would run a queued op itself
+        work.wait()
+        small = torch.ones(4)
+        torchdist.all_reduce(small)  # synchronous: always on the caller's thread
+        return backend.async_overlaps_compute, threads, [big[0].item(), big[-1].item(), small[0].item()]
+    finally:
+        torchdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cores, on_worker", [(64, True), (2, False)], ids=["spare-cores", "no-spare-core"])
+def test_large_async_ops_go_to_the_worker_only_on_hosts_with_spare_cores(cores: int, on_worker: bool) -> None:
+    for rank, (overlaps, threads, values) in enumerate(run_ranks(_spare_cores, 2, args=(cores,), timeout=60)):
+        assert overlaps is on_worker
+        assert values == [3.0, 3.0, 2.0]
+        assert threads[-1] == "MainThread", threads
+        if on_worker:
+            assert threads[0] == "worker", threads
+        elif rank == 1:  # the later rank finds its peer inside the op and runs it itself
+            assert threads[0] == "MainThread", threads

@@ -22,7 +22,9 @@ Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
   issues nothing in between that a peer needs first, so a backend may run them
   on this thread (shared memory: right here; TCP: large ones on its worker, small
   ones when waited on) instead of a worker thread that would contend with
-  backward for the GIL;
+  backward for the GIL and the core. Where the backend says a worker runs beside
+  the caller's compute (``async_overlaps_compute``: shared memory on a host with
+  two cores per rank) they are ``async_op=True``, and overlap backward;
 - a callback queued on the autograd engine runs when backward ends: it waits for
   every bucket in order and writes each one's averaged gradients back to
   ``.grad`` as soon as it is reduced (nothing to write for a solo bucket);
@@ -465,8 +467,11 @@ class Reducer:
 
     def _issue_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         """All-reduce ``tensor`` (a contiguous flat bucket), to be waited on at the end of
-        backward; see the module docstring for why not ``async_op=True``."""
-        return self._group.backend.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], op)
+        backward; ``async_op=True`` only where the backend runs it beside backward (see
+        the module docstring)."""
+        backend = self._group.backend
+        return backend.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], op,
+                                 async_op=getattr(backend, "async_overlaps_compute", False))
 
     def _tracks_used(self) -> bool:
         return self._find_unused or (self._static and not self._static_done)

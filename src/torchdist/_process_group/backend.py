@@ -38,6 +38,10 @@ class ProcessGroupBackend:
 
     #: The name under which the backend is registered ("tcp", "shm", ...).
     name = "undefined"
+    #: Whether an ``async_op=True`` collective runs beside the caller's compute rather
+    #: than taking turns with it on the caller's core; DDP issues its buckets
+    #: asynchronously only where it does (see ``_ddp/reducer.py``).
+    async_overlaps_compute = False
 
     def __init__(
         self,

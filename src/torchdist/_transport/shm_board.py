@@ -116,6 +116,9 @@ class Board:
             cores = os.cpu_count() or 1
         #: More ranks than cores: yield on every failed poll instead of spinning.
         self.oversubscribed = size > cores
+        #: A core per rank for its compute and one for its engine's worker: then work
+        #: handed to the worker runs beside the caller's compute instead of taking turns.
+        self.spare_cores = 1 < size and 2 * size <= cores
         self.segments: list[Segment] = []
         self._bootstrap(store, timeout)
         self.ctl = [memoryview(s.buf)[:self.layout.ctrl].cast("q") for s in self.segments]

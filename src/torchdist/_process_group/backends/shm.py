@@ -32,7 +32,7 @@ from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
 from ..reduce_op import ReduceOp
 from ..work import Work
-from .tcp import TcpBackend, memo
+from .tcp import _WAKE_BYTES, TcpBackend, memo
 
 __all__ = ["ShmBackend", "exchange_hosts", "describe_hosts"]
 
@@ -98,10 +98,25 @@ class ShmBackend(TcpBackend):
     # it (``Steps.peers_inside``): then it finishes without anything the caller does
     # next. Otherwise it goes to the worker, because a peer may need what the caller
     # does next (a send, a collective on another group) before it joins this one.
+    # Where every rank has a spare core (``async_overlaps_compute``), a large one
+    # goes to the worker anyway: there it runs beside the caller's compute, which is
+    # what the caller asked for (DDP's buckets, on such hosts).
+
+    @property
+    def async_overlaps_compute(self) -> bool:
+        return self._transport.board.spare_cores
+
+    def _runs_inline(self, async_op: bool, outputs: list[torch.Tensor]) -> bool:
+        """Whether an op on ``outputs`` runs on the caller's thread (see above)."""
+        if not async_op:
+            return True
+        if self._transport.board.spare_cores and sum(t.numel() * t.element_size() for t in outputs) >= _WAKE_BYTES:
+            return False
+        return self._transport.steps.peers_inside()
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
                     run: Callable[[Comm], None], async_op: bool, seconds: float | None = None) -> Work:
-        if self._broken is None and (not async_op or self._transport.steps.peers_inside()):
+        if self._broken is None and self._runs_inline(async_op, outputs):
             work = self._inline(op_name, outputs, fingerprint, run, seconds=seconds)
             if work is not None:
                 return work
@@ -111,7 +126,7 @@ class ShmBackend(TcpBackend):
                   async_op: bool = False) -> Work:
         """A single-tensor all-reduce (not PREMUL_SUM) runs from a cached plan: its
         reduce-op translation and fingerprint cost more than a small op's data."""
-        if len(tensors) == 1 and self._broken is None and (not async_op or self._transport.steps.peers_inside()):
+        if len(tensors) == 1 and self._broken is None and self._runs_inline(async_op, tensors):
             tensor = tensors[0]
             plan = memo(self._plans, (op, tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
                         tensor.numel())
