@@ -32,7 +32,7 @@ from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
 from ..reduce_op import ReduceOp
 from ..work import Work
-from .tcp import _WAKE_BYTES, TcpBackend, memo
+from .tcp import WAKE_BYTES, TcpBackend, memo
 
 __all__ = ["ShmBackend", "exchange_hosts", "describe_hosts"]
 
@@ -110,7 +110,7 @@ class ShmBackend(TcpBackend):
         """Whether an op on ``outputs`` runs on the caller's thread (see above)."""
         if not async_op:
             return True
-        if self._transport.board.spare_cores and sum(t.numel() * t.element_size() for t in outputs) >= _WAKE_BYTES:
+        if self._transport.board.spare_cores and sum(t.numel() * t.element_size() for t in outputs) >= WAKE_BYTES:
             return False
         return self._transport.steps.peers_inside()
 

@@ -59,7 +59,7 @@ __all__ = ["TcpBackend", "memo"]
 #: Ops moving at least this many bytes per rank wake the worker at once. Below it a
 #: thread wake-up and the GIL hand-off it causes (measured: 0.1-1.5 ms on the loaded
 #: 2-core VM) cost more than the op itself.
-_WAKE_BYTES = 256 << 10
+WAKE_BYTES = 256 << 10
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class TcpBackend(ProcessGroupBackend):
             # Async and large ops start on the worker at once: async ones must progress
             # without the caller, large ones overlap with its compute. Small synchronous
             # ones run on the caller's thread when it waits (see Engine.submit).
-            self._engine.submit(work._engine_op, wake=async_op or nbytes >= _WAKE_BYTES)
+            self._engine.submit(work._engine_op, wake=async_op or nbytes >= WAKE_BYTES)
         return work
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
