@@ -70,6 +70,14 @@ def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
     return op
 
 
+def _check_same_shape(op: str, tensor: torch.Tensor, tensors: list[torch.Tensor], name: str) -> None:
+    """The root's list of a gather or scatter holds tensors shaped as the rank's own."""
+    for i, t in enumerate(tensors):
+        if t.shape != tensor.shape:
+            raise RuntimeError(f"{op}: invalid tensor size at index {i} of {name} (expected {tuple(tensor.shape)}, "
+                               f"got {tuple(t.shape)}); every tensor of {name} must have the shape of ``tensor``")
+
+
 def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy the root's ``tensor`` into every rank's ``tensor``."""
@@ -202,10 +210,13 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     root = group_root(pg, "gather", dst, group_dst, default=0 if group_dst is None else None)
     stage = Staging()
     if pg.rank() == root:
-        if gather_list is None or len(gather_list) != pg.size():
-            size = 0 if gather_list is None else len(gather_list)
-            raise RuntimeError(f"gather: Incorrect output list size {size}. Output list size should be {pg.size()}")
+        if not gather_list:
+            raise ValueError("gather: Argument ``gather_list`` must be specified on destination rank.")
+        if len(gather_list) != pg.size():
+            raise RuntimeError(f"gather: Incorrect output list size {len(gather_list)}. Output list size should be "
+                               f"{pg.size()}")
         check_same_dtype("gather", [tensor, *gather_list])
+        _check_same_shape("gather", tensor, gather_list, "gather_list")
         outputs = [stage.output(t) for t in gather_list]
     else:
         if gather_list:
@@ -224,10 +235,13 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     root = group_root(pg, "scatter", src, group_src, default=0 if group_src is None else None)
     stage = Staging()
     if pg.rank() == root:
-        if scatter_list is None or len(scatter_list) != pg.size():
-            size = 0 if scatter_list is None else len(scatter_list)
-            raise RuntimeError(f"scatter: Incorrect input list size {size}. Input list size should be {pg.size()}")
+        if not scatter_list:
+            raise ValueError("scatter: Argument ``scatter_list`` must be specified on source rank.")
+        if len(scatter_list) != pg.size():
+            raise RuntimeError(f"scatter: Incorrect input list size {len(scatter_list)}. Input list size should be "
+                               f"{pg.size()}")
         check_same_dtype("scatter", [tensor, *scatter_list])
+        _check_same_shape("scatter", tensor, scatter_list, "scatter_list")
         inputs = [stage.input(t) for t in scatter_list]
     else:
         if scatter_list:
