@@ -27,6 +27,7 @@ from ._c10d.init import (
 from ._c10d.groups import (
     get_global_rank,
     get_group_rank,
+    get_pg_count,
     get_process_group_ranks,
     new_group,
     new_subgroups,
@@ -76,7 +77,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_available", "is_initialized", "is_torchelastic_launched",
     "get_rank", "get_world_size", "get_backend", "get_node_local_rank",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-    "get_global_rank", "get_group_rank", "get_process_group_ranks",
+    "get_global_rank", "get_group_rank", "get_pg_count", "get_process_group_ranks",
     # collectives
     "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "all_gather_coalesced", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from datetime import timedelta
 from typing import Iterable
 
 import torch
@@ -48,14 +49,22 @@ def group_root(
         if default is None:
             raise ValueError(f"{op}: Must specify global_rank or group_rank (e.g. src=0)")
         global_rank = default
+    given = group_rank if group_rank is not None else global_rank
+    if not isinstance(given, int):
+        raise TypeError(f"{op}: a root rank is an int, got {type(given).__name__} {given!r}")
     if group_rank is not None:
         if not 0 <= group_rank < pg.size():
             raise RuntimeError(f"{op}: invalid root rank: group rank {group_rank} is not in 0..{pg.size() - 1}")
         return int(group_rank)
-    world_size = WORLD.require_default().size()
-    if not 0 <= global_rank < world_size:
-        raise RuntimeError(f"{op}: invalid root rank: {global_rank} is not in 0..{world_size - 1}")
-    return WORLD.group_rank(pg, int(global_rank))
+    if pg is WORLD.require_default() and not 0 <= global_rank < pg.size():
+        raise RuntimeError(f"{op}: invalid root rank: {global_rank} is not in 0..{pg.size() - 1}")
+    return WORLD.group_rank(pg, int(global_rank))  # ValueError for a rank outside a subgroup, as PyTorch
+
+
+def check_timeout(timeout: timedelta | None) -> None:
+    """PyTorch's group constructors take a ``timedelta`` (or None), nothing else."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {timeout!r}")
 
 
 def check_tensor(op: str, tensor: object, name: str = "tensor") -> torch.Tensor:

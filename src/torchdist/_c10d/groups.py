@@ -14,6 +14,7 @@ from .._process_group.process_group import ProcessGroup
 from .._process_group.registry import Backend, backend_creator
 from .._store.base import as_timedelta
 from .._store.prefix_store import PrefixStore
+from ._args import check_timeout
 from .world import NON_GROUP_MEMBER, WORLD
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "get_group_rank",
     "get_global_rank",
     "get_process_group_ranks",
+    "get_pg_count",
 ]
 
 _DEFAULT_BACKEND_NAME = "auto"
@@ -72,8 +74,14 @@ def new_group(
     Ranks outside the group get ``GroupMember.NON_GROUP_MEMBER``.
     """
     default = WORLD.require_default()
+    check_timeout(timeout)
     world_size = default.size()
-    ranks = list(range(world_size)) if ranks is None else [int(r) for r in ranks]
+    if ranks is not None:
+        if not ranks:
+            raise TypeError("new_group: ranks is empty; give the members' global ranks, or None for every rank")
+        if not all(isinstance(r, int) for r in ranks):
+            raise TypeError(f"new_group: ranks must be ints (global ranks), got {ranks!r}")
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
     for r in ranks:
         if not 0 <= r < world_size:
             raise ValueError(f"new_group: rank {r} is out of range for world size {world_size}")
@@ -83,8 +91,8 @@ def new_group(
         ranks = sorted(ranks)
     name = WORLD.next_group_name(ranks, use_local_synchronization)
     me = default.rank()
-    if me not in ranks:
-        return NON_GROUP_MEMBER
+    if me not in ranks:  # with local synchronization a non-member calls it on its own: PyTorch returns None
+        return None if use_local_synchronization else NON_GROUP_MEMBER
     return _derived_group(default, ranks, me, name, backend, timeout, group_desc or "undefined")
 
 
@@ -170,25 +178,31 @@ def split_group(
 ) -> ProcessGroup | None:
     """Split ``parent_pg`` into disjoint groups; every parent member calls it.
 
-    Returns the group holding this rank, or None when no split names it.
+    ``split_ranks`` holds ranks *in the parent group*, as in PyTorch. Returns the
+    group holding this rank, or None when no split names it.
     """
+    check_timeout(timeout)
     parent = WORLD.resolve(parent_pg)
     if parent is NON_GROUP_MEMBER:
         return None
     if not split_ranks:
-        raise ValueError("split_group: split_ranks must be a non-empty list of lists of global ranks")
+        raise ValueError("split_ranks cannot be None or empty")
     seen: set[int] = set()
     for ranks in split_ranks:
+        if not ranks:
+            raise ValueError(f"split_group: the split group cannot be empty: {split_ranks}")
         for r in ranks:
-            if r not in parent.global_ranks:
-                raise ValueError(f"split_group: rank {r} is not a member of the parent group {parent.global_ranks}")
+            if not isinstance(r, int) or not 0 <= r < parent.size():
+                raise ValueError(f"split_group: {r!r} is not a rank of the parent group, whose ranks are "
+                                 f"0..{parent.size() - 1} (split_ranks holds group ranks of the parent)")
             if r in seen:
-                raise ValueError(f"split_group: rank {r} appears in more than one split: {split_ranks}")
+                raise ValueError(f"split_group: rank {r} appears twice in split_ranks {split_ranks}")
             seen.add(r)
-    me = parent.global_ranks[parent.rank()]
-    mine = next((sorted(r) for r in split_ranks if me in r), None)
-    if mine is None:
+    split = next((sorted(r) for r in split_ranks if parent.rank() in r), None)
+    if split is None:
         return None
+    mine = [parent.global_ranks[r] for r in split]
+    me = parent.global_ranks[parent.rank()]
     # Only this split's members name it, so the name comes from its member list.
     name = WORLD.next_group_name(mine, use_local_synchronization=True)
     return _derived_group(parent, mine, me, name, backend, timeout, group_desc or f"split of {parent.group_name}")
@@ -202,15 +216,28 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     return pg.global_ranks
 
 
+def _registered(group: ProcessGroup, op: str) -> ProcessGroup:
+    """``group`` itself (not None: these functions take a group, as PyTorch's do)."""
+    if group is None or group is NON_GROUP_MEMBER:
+        raise ValueError(f"{op}: Group {group} is not registered, please create group with the new_group API")
+    return WORLD.resolve(group)
+
+
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
-    pg = WORLD.resolve(group)
-    if pg is NON_GROUP_MEMBER:
-        raise ValueError("Invalid process group specified: this rank is not a member")
-    return WORLD.group_rank(pg, global_rank)
+    """``global_rank``'s rank in ``group``; on the default group, the same number."""
+    if group is not None and group is WORLD.default_pg:
+        return global_rank
+    return WORLD.group_rank(_registered(group, "get_group_rank"), global_rank)
 
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
-    pg = WORLD.resolve(group)
-    if pg is NON_GROUP_MEMBER:
-        raise ValueError("Invalid process group specified: this rank is not a member")
-    return WORLD.global_rank(pg, group_rank)
+    """The global rank of ``group_rank`` in ``group``; on the default group, the same number."""
+    if group is not None and group is WORLD.default_pg:
+        return group_rank
+    return WORLD.global_rank(_registered(group, "get_global_rank"), group_rank)
+
+
+def get_pg_count() -> int:
+    """How many process groups this job has created: the default group and every group all
+    ranks created together (PyTorch's count, which groups made by their members alone skip)."""
+    return 0 if WORLD.default_pg is None else 1 + WORLD.group_count

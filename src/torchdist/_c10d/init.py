@@ -10,12 +10,13 @@ from datetime import timedelta
 
 from .._process_group.process_group import ProcessGroup
 from .._process_group.registry import Backend
-from .._store.base import Store, as_timedelta
+from .._store.base import Store
 from .._store.file_store import FileStore
 from .._store.tcp_store import TCPStore
 from .._store.prefix_store import PrefixStore
 from .._store.rendezvous import rendezvous
 from ..errors import DistStoreError
+from ._args import check_timeout
 from .groups import build_group
 from .world import NON_GROUP_MEMBER, WORLD
 
@@ -71,7 +72,8 @@ def init_process_group(
     """
     if WORLD.default_pg is not None:
         raise ValueError("trying to initialize the default process group twice!")
-    timeout = default_pg_timeout if timeout is None else as_timedelta(timeout)
+    check_timeout(timeout)
+    timeout = default_pg_timeout if timeout is None else timeout
     if backend is not None:
         backend = Backend(backend)
 
@@ -179,6 +181,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Shut down ``group``, or with no argument every group (init may then run again)."""
     if group is NON_GROUP_MEMBER:
         return
+    if group is None and WORLD.default_pg is None:
+        raise AssertionError("Process group cannot be None: destroy_process_group() needs an initialized "
+                             "default group (init_process_group)")
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise ValueError(f"Invalid process group specified: {group!r}")
     if group is None or group is WORLD.default_pg:
         for pg in list(WORLD.groups.values()):  # the default group is registered too
             pg.shutdown()

@@ -48,7 +48,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group=
     pg = member_group(group, "broadcast_object_list")
     if pg is None:
         return
-    root = group_root(pg, "broadcast_object_list", src, group_src)
+    root = group_root(pg, "broadcast_object_list", src, group_src, default=0 if group_src is None else None)
     sizes = torch.zeros(len(object_list), dtype=torch.long)
     if pg.rank() == root:
         tensors = [_to_tensor(obj) for obj in object_list]
@@ -108,8 +108,10 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     if pg is None:
         return
     root = group_root(pg, "gather_object", dst, group_dst, default=0 if group_dst is None else None)
-    if pg.rank() == root and object_gather_list is None:
-        raise ValueError("gather_object: Must provide object_gather_list on the destination rank")
+    if pg.rank() == root and not object_gather_list:
+        raise ValueError("gather_object: Argument ``gather_list`` must be specified on destination rank.")
+    if pg.rank() != root and object_gather_list:
+        raise ValueError("gather_object: Argument ``gather_list`` must NOT be specified on non-destination ranks.")
     outputs, sizes, padded = _all_gather_padded(_to_tensor(obj), pg)
     collectives.gather(padded, outputs if pg.rank() == root else None, group=pg, group_dst=root)
     if pg.rank() == root:
@@ -127,10 +129,11 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     root = group_root(pg, "scatter_object_list", src, group_src, default=0 if group_src is None else None)
     longest = torch.zeros(1, dtype=torch.long)
     if pg.rank() == root:
-        if scatter_object_input_list is None or len(scatter_object_input_list) != pg.size():
-            raise ValueError(
-                f"scatter_object_list: scatter_object_input_list must have {pg.size()} entries on the source rank"
-            )
+        if not scatter_object_input_list:
+            raise ValueError("scatter_object_list: the source rank must provide scatter_object_input_list")
+        if len(scatter_object_input_list) != pg.size():
+            raise RuntimeError(f"scatter_object_list: Incorrect input list size {len(scatter_object_input_list)}. "
+                               f"Input list size should be {pg.size()}, one object per rank")
         tensors = [_to_tensor(obj) for obj in scatter_object_input_list]
         sizes = _sizes(tensors)
         longest[0] = int(sizes.max())
@@ -164,10 +167,14 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group=None,
     pg = member_group(group, "recv_object_list")
     if pg is None:
         return -1
+    peer = group_root(pg, "recv_object_list", src, group_src)  # no any-source receive here, as in PyTorch
+    if peer == pg.rank():
+        raise ValueError("recv_object_list: Invalid source rank: source rank should not be the same as the rank of "
+                         "the current process.")
     sizes = torch.zeros(len(object_list), dtype=torch.long)
-    sender = p2p.recv(sizes, src, pg, group_src=group_src)
+    sender = p2p.recv(sizes, group=pg, group_src=peer)
     payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
-    p2p.recv(payload, sender, pg)
+    p2p.recv(payload, group=pg, group_src=peer)
     offset = 0
     for i, size in enumerate(sizes.tolist()):
         object_list[i] = _from_tensor(payload[offset:], size)

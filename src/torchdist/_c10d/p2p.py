@@ -90,7 +90,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
         return -1
     work.wait()
     pg = WORLD.resolve(group)
-    sender = work._source_rank if work._source_rank >= 0 else group_root(pg, "recv", src, group_src)
+    sender = work._sender_rank if work._sender_rank >= 0 else group_root(pg, "recv", src, group_src)
     return pg.global_ranks[sender]
 
 

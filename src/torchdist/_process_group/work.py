@@ -44,7 +44,7 @@ class Work:
         self._outputs = outputs if outputs is not None else []
         self._state = WorkState.PENDING
         self._exception: BaseException | None = None
-        self._source_rank = -1
+        self._sender_rank = -1
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._future: torch.futures.Future | None = None
@@ -61,7 +61,7 @@ class Work:
             if self._state is not WorkState.PENDING:
                 return
             if source_rank is not None:
-                self._source_rank = source_rank
+                self._sender_rank = source_rank
             self._state = WorkState.COMPLETED
             callbacks, self._callbacks = self._callbacks, []
         self._run_callbacks(callbacks)
@@ -139,9 +139,13 @@ class Work:
 
     def source_rank(self) -> int:
         """For a receive from any source: the rank that sent the message."""
-        if self._source_rank < 0:
+        if self._sender_rank < 0:
             raise RuntimeError(f"{self.op_name}: source_rank() is only defined for a recv from any source")
-        return self._source_rank
+        return self._sender_rank
+
+    def _source_rank(self) -> int:
+        """PyTorch's older, private name of ``source_rank()``."""
+        return self.source_rank()
 
     def _get_op_type(self) -> str:
         return self.op_name
@@ -183,7 +187,7 @@ class _CompletedWork(Work):
 
     _state = WorkState.COMPLETED
     _exception = None
-    _source_rank = -1
+    _sender_rank = -1
     _done = threading.Event()
     _done.set()
     _lock = threading.Lock()
