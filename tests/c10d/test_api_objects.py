@@ -11,6 +11,7 @@ import torch
 
 import torchdist as dist
 from torchdist._process_group.work import Work
+from torchdist.errors import DistBackendError
 
 
 @pytest.mark.parametrize("name", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
@@ -179,3 +180,23 @@ def test_register_rendezvous_handler_adds_a_scheme():
     assert (got_store, rank, world_size) == (store, 0, 1)
     with pytest.raises(RuntimeError, match="already registered"):
         dist.register_rendezvous_handler("unittest-mem", handler)
+
+
+def test_pending_work_answers_as_pytorchs():
+    """PyTorch's Work: result() does not wait (it raises while pending, and gives the
+    outputs of a failed op), is_success() means "no error so far", a pending receive's
+    source rank is -1, and get_future_result()/_get_duration() are not on CPU backends."""
+    out = torch.ones(1)
+    work, recv = Work("all_reduce", [out]), Work("recv", [out])
+    with pytest.raises(RuntimeError, match="completed"):
+        work.result()
+    assert work.is_success() and recv.source_rank() == -1 and recv._source_rank() == -1
+    with pytest.raises(RuntimeError):
+        work.source_rank()  # not a receive
+    for unsupported in (work.get_future_result, work._get_duration):
+        with pytest.raises(RuntimeError):
+            unsupported()
+    work._fail(DistBackendError("peer died"))
+    assert not work.is_success() and work.result() == [out]
+    recv._complete(source_rank=2)
+    assert recv.source_rank() == 2

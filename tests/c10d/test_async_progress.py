@@ -153,3 +153,50 @@ def _unwaited_async_op_completes(rank: int, world: int):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_op_completes_when_only_polled(backend: str) -> None:
     assert run_ranks(_unwaited_async_op_completes, 2, backend=backend, timeout=60) == [(True, 3.0)] * 2
+
+
+def _collective_inside_future_callback(rank: int, world: int, mode: str):
+    """A Work future's callback runs another collective and waits on it, as callbacks
+    written for PyTorch do (its PowerSGD hook waits on a future inside one). Rank 0's
+    op starts before its peers arrive, so it completes on the engine's worker."""
+    dist.barrier()
+    if rank != 0:
+        time.sleep(0.2)
+
+    def callback(future):
+        t = future.value()[0].clone()
+        if mode == "sync":
+            dist.all_reduce(t)
+            return t
+        return dist.all_reduce(t, async_op=True).get_future().wait()[0]
+    x = torch.tensor([float(rank + 1)])
+    return dist.all_reduce(x, async_op=True).get_future().then(callback).wait().item()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_future_callback_may_run_and_wait_on_collectives(backend: str, mode: str) -> None:
+    world = 3
+    total = world * sum(range(1, world + 1))
+    assert run_ranks(_collective_inside_future_callback, world, args=(mode,), backend=backend,
+                     timeout=60) == [total] * world
+
+
+def _coalesced(rank: int, world: int):
+    outputs = [[torch.zeros(1), torch.zeros(2)] for _ in range(world)]
+    inputs = [torch.tensor([float(rank)]), torch.full((2,), 10.0 + rank)]
+    assert dist.all_gather_coalesced(outputs, inputs) is None  # synchronous: small parts run when waited on
+    gathered = [[t.tolist() for t in per_rank] for per_rank in outputs]
+    future = dist.all_gather_coalesced(outputs, inputs, async_op=True)
+    nested = [[t.tolist() for t in per_rank] for per_rank in future.wait()]
+    reduced = dist.all_reduce_coalesced([torch.ones(1), torch.ones(3)], async_op=True)
+    return gathered, nested, [t.tolist() for t in reduced.then(lambda f: f.value()).wait()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_coalesced_ops_complete_and_return_futures_as_pytorch(backend: str) -> None:
+    world = 3
+    want = [[[float(r)], [10.0 + r] * 2] for r in range(world)]
+    for gathered, nested, reduced in run_ranks(_coalesced, world, backend=backend, timeout=60):
+        assert gathered == nested == want
+        assert reduced == [[3.0], [3.0] * 3]

@@ -161,9 +161,24 @@ class Staging:
         return None
 
 
-def all_of(op: str, works: list[Work], outputs: list[torch.Tensor]) -> Work:
+class _AllOf(Work):
+    """A Work made of parts; waiting on it waits on each part, which lets the waiting
+    thread run parts still queued (a small synchronous op runs when waited on)."""
+
+    def __init__(self, op: str, parts: list[Work], outputs: list) -> None:
+        super().__init__(op, outputs)
+        self._parts = parts
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        for part in self._parts:
+            if part.exception() is None:
+                part.wait(timeout)
+        return super().wait(timeout)
+
+
+def all_of(op: str, works: list[Work], outputs: list) -> Work:
     """One Work that completes when every one of ``works`` has, failing with the first error."""
-    combined = Work(op, outputs)
+    combined = _AllOf(op, works, outputs)
     remaining = [len(works)]
     lock = threading.Lock()  # parts may complete on the caller's thread and the engine's
 

@@ -106,7 +106,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, as
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group=None,
-                         async_op: bool = False) -> Work | None:
+                         async_op: bool = False) -> torch.futures.Future | None:
     """``all_reduce`` of several tensors of one dtype in a single operation."""
     pg = member_group(group, "all_reduce_coalesced")
     if pg is None:
@@ -116,7 +116,8 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
     check_same_dtype("all_reduce_coalesced", tensors)
     _check_op("all_reduce_coalesced", op, tensors)
     stage = Staging()
-    return stage.finish(pg.backend.allreduce([stage.output(t) for t in tensors], op, async_op=async_op), async_op)
+    work = stage.finish(pg.backend.allreduce([stage.output(t) for t in tensors], op, async_op=async_op), async_op)
+    return work.get_future() if async_op else None  # PyTorch returns the future of the coalesced ops
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group=None,
@@ -182,7 +183,7 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
-                         group=None, async_op: bool = False) -> Work | None:
+                         group=None, async_op: bool = False) -> torch.futures.Future | None:
     """``all_gather`` of several tensors; ``output_tensor_lists[r][i]`` gets rank r's ``input_tensor_list[i]``."""
     pg = member_group(group, "all_gather_coalesced")
     if pg is None:
@@ -197,7 +198,8 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
                              async_op=async_op)
         for i, inp in enumerate(input_tensor_list)
     ]
-    return stage.finish(all_of("all_gather_coalesced", works, [t for lst in outputs for t in lst]), async_op)
+    work = stage.finish(all_of("all_gather_coalesced", works, outputs), async_op)
+    return work.get_future() if async_op else None  # PyTorch returns the future; its value: the output lists
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,

@@ -411,6 +411,7 @@ class Reducer:
         if self._divisor is None:
             self._divisor = self._world
             if self._join_work is not None:
+                self._join_work.wait()
                 self._divisor = int(self._join_work.result()[0].item())
         return self._divisor
 

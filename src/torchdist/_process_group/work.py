@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .._transport.engine import after_release
 from ..errors import DistBackendError
 
 __all__ = ["Work", "WorkState"]
@@ -128,19 +129,22 @@ class Work:
         return self._done.is_set()
 
     def is_success(self) -> bool:
-        return self._state is WorkState.COMPLETED
+        """No error so far (PyTorch's meaning: a pending op counts as successful)."""
+        return self._exception is None
 
     def exception(self) -> BaseException | None:
         return self._exception
 
     def result(self) -> list[torch.Tensor]:
-        self.wait()
+        """The output tensors of a finished op (failed or not); PyTorch does not wait here."""
+        if not self._done.is_set():
+            raise RuntimeError(f"{self.op_name}: Work needs to be completed before calling result(); wait() first")
         return self._outputs
 
     def source_rank(self) -> int:
-        """For a receive from any source: the rank that sent the message."""
-        if self._sender_rank < 0:
-            raise RuntimeError(f"{self.op_name}: source_rank() is only defined for a recv from any source")
+        """For a receive: the rank that sent the message (-1 until it arrived)."""
+        if self._sender_rank < 0 and self.op_name != "recv":
+            raise RuntimeError(f"{self.op_name}: source_rank() may only be called on the Work of a recv")
         return self._sender_rank
 
     def _source_rank(self) -> int:
@@ -158,7 +162,11 @@ class Work:
         self.wait()
 
     def get_future_result(self) -> torch.futures.Future:
-        return self.get_future()
+        raise RuntimeError(f"{self.op_name}: get_future_result() is not implemented by the CPU backends (nor by "
+                           "PyTorch's gloo); use get_future(), or wait() and exception()")
+
+    def _get_duration(self) -> float:
+        raise RuntimeError(f"{self.op_name}: the CPU backends do not time their ops (nor does PyTorch's gloo)")
 
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed with the output tensors (or the error)."""
@@ -168,7 +176,9 @@ class Work:
             self._future = torch.futures.Future()
             pending = self._state is WorkState.PENDING
             if pending:
-                self._callbacks.append(_resolve_future)
+                # The future's callbacks are the user's: they run once the completing
+                # thread has let go of the transport, so they may issue ops themselves.
+                self._callbacks.append(lambda work: after_release(lambda: _resolve_future(work)))
         if not pending:
             _resolve_future(self)
         return self._future

@@ -40,7 +40,7 @@ from typing import Callable
 
 from .base import Transport
 
-__all__ = ["Engine", "EngineOp", "on_worker_thread"]
+__all__ = ["Engine", "EngineOp", "on_worker_thread", "after_release"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,85 @@ def on_worker_thread() -> bool:
     """Whether the calling thread is an engine's worker, i.e. runs ops that some
     caller issued and went on from (it is computing, or waits on a Work)."""
     return getattr(_thread_role, "worker", False)
+
+
+def after_release(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` where it may block on other ops.
+
+    For user code that an op's completion triggers (a ``torch.futures.Future``'s
+    callbacks): such code may issue and wait on another op, as callbacks written for
+    PyTorch do. That op could never run while this thread holds the engine, so on a
+    thread driving an engine ``fn`` waits until it lets go; and on an engine's worker,
+    which may be the only thread able to run that op, ``fn`` goes to a callback thread
+    (gloo has a pool of worker threads for the same reason)."""
+    if on_worker_thread():
+        _CALLBACK_THREADS.run(fn)
+        return
+    held = getattr(_thread_role, "held", None)
+    if held is None:
+        _call(fn)
+    else:
+        held.append(fn)
+
+
+def _call(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except BaseException:  # noqa: BLE001 - user callbacks must not break the engine
+        logger.exception("a callback run after an op completed raised")
+
+
+class _CallbackThreads:
+    """Daemon threads that run callbacks, one more whenever none is idle: a callback
+    that blocks (on an op whose completion runs another callback) never holds up the
+    others. Daemons, unlike ``ThreadPoolExecutor``'s, never keep a process from exiting."""
+
+    def __init__(self) -> None:
+        self._tasks: deque[Callable[[], None]] = deque()
+        self._cv = threading.Condition()
+        self._idle = 0
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._tasks.append(fn)
+            if self._idle:
+                self._cv.notify()
+                return
+        threading.Thread(target=self._loop, name="torchdist-callbacks", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._idle += 1
+                while not self._tasks:
+                    if not self._cv.wait(timeout=_CALLBACK_IDLE_S):
+                        self._idle -= 1
+                        return
+                self._idle -= 1
+                fn = self._tasks.popleft()
+            _call(fn)
+
+
+#: How long an idle callback thread waits for more work before it exits.
+_CALLBACK_IDLE_S = 10.0
+_CALLBACK_THREADS = _CallbackThreads()
+
+
+def _hold() -> None:
+    """This thread starts driving an engine (possibly inside driving another)."""
+    depth = getattr(_thread_role, "depth", 0)
+    if depth == 0:
+        _thread_role.held = []
+    _thread_role.depth = depth + 1
+
+
+def _let_go() -> None:
+    """This thread stopped driving an engine: run what waited for the outermost one."""
+    _thread_role.depth -= 1
+    if _thread_role.depth == 0:
+        held, _thread_role.held = _thread_role.held, None
+        for fn in held:
+            _call(fn)
 
 
 class EngineOp:
@@ -128,6 +207,7 @@ class Engine:
         if driving:
             self.transport.interrupt()  # the driver may be blocked in a poll
             return
+        _hold()
         op.started = True
         try:
             self._execute(op)
@@ -168,6 +248,7 @@ class Engine:
             if self._busy or op not in self._queue:
                 return False
             self._busy = True
+        _hold()
         try:
             while True:
                 with self._cv:
@@ -189,7 +270,8 @@ class Engine:
             if self._busy or self._queue:
                 return False
             self._busy = True
-            return True
+        _hold()
+        return True
 
     def drive(self, until: Callable[[], bool], step: Callable[[], None]) -> bool:
         """Take the transport and call ``step()`` until ``until()``; False if busy."""
@@ -226,6 +308,7 @@ class Engine:
                 # leftovers (async ops, posts handed over since the drain above, pending
                 # transfers): the worker takes over
                 self._wake_worker()
+        _let_go()
 
     def _work(self) -> None:
         _thread_role.worker = True
@@ -239,6 +322,7 @@ class Engine:
                 if op is not None:
                     op.started = True
                 self._busy = True
+            _hold()
             if op is not None:
                 self._run(op)
                 continue
