@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Combine", "Finish", "Average", "average", "combiner", "PieceReducer", "PIECE_BYTES"]
+__all__ = ["Combine", "Finish", "Average", "average", "combiner", "commutes", "PieceReducer", "PIECE_BYTES"]
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 #: ``finish(piece)``: applied in place, exactly once, to every fully reduced piece
@@ -95,6 +95,12 @@ _COMBINERS: dict[str, Combine] = {
     "SUM": _sum, "PRODUCT": _product, "MIN": _min, "MAX": _max,
     "BAND": _band, "BOR": _bor, "BXOR": _bxor,
 }
+
+
+def commutes(combine: Combine, dtype: torch.dtype) -> bool:
+    """Whether ``a op b`` and ``b op a`` are the same bits. Not for MIN and MAX of
+    floats: ``maximum(0.0, -0.0)`` is 0.0 and ``maximum(-0.0, 0.0)`` is -0.0."""
+    return not (dtype.is_floating_point and combine in (_min, _max))
 
 
 def combiner(name: str, dtype: torch.dtype) -> Combine:
