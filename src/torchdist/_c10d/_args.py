@@ -98,19 +98,37 @@ def check_list(op: str, tensors: object, size: int, name: str) -> list[torch.Ten
     return list(tensors)
 
 
-def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's data outside autograd and inference mode.
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (a conservative test)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
+        return False
 
-    PyTorch's collectives are C++ ops that write parameters (leaves that require
-    grad) and inference tensors in place; ours are torch ops, which would refuse
-    both, so they get a detached alias of the same memory.
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset() * t.element_size()
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return start, start + (extent + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as a plain tensor, outside autograd and inference mode.
+
+    PyTorch's collectives are C++ ops that write through the tensor's pointer: they
+    write parameters (leaves that require grad) and inference tensors in place, and
+    leave the version counter alone, so a tensor of the graph saved for backward and
+    then all-reduced still backpropagates. Ours are torch ops, which would refuse
+    the first two and bump the counter. A tensor that requires grad gets ``.data``,
+    an alias with a counter of its own that accepts writes. An inference tensor's
+    ``.data`` is one too, but its views refuse writes, so it gets a fresh tensor
+    over the same storage. Any other tensor is itself: the op's result is then the
+    caller's very tensor at no cost, but a write bumps its counter (only a tensor
+    outside the graph that autograd saved anyway would notice).
     """
-    if tensor.requires_grad:
-        tensor = tensor.detach()
     if tensor.is_inference():
-        tensor = torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), tensor.storage_offset(),
-                                                         tensor.size(), tensor.stride())
-    return tensor
+        return torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), tensor.storage_offset(),
+                                                       tensor.size(), tensor.stride())
+    return tensor.data if tensor.requires_grad else tensor
 
 
 class Staging:
@@ -122,23 +140,29 @@ class Staging:
 
     def __init__(self) -> None:
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._callers: dict[int, torch.Tensor] = {}  # id of what the backend writes -> the caller's tensor
 
     @staticmethod
     def _wire(tensor: torch.Tensor) -> torch.Tensor:
         return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
     def input(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor the op only reads."""
-        return self._wire(plain(tensor).contiguous())
+        """A tensor the op only reads. A conjugate or negative view (``x.conj()``,
+        ``x.conj().imag``) is a flag over unchanged memory: it is resolved first."""
+        return self._wire(plain(tensor).resolve_conj().resolve_neg().contiguous())
 
     def output(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the op writes (and may read first, for in-place ops)."""
-        tensor = plain(tensor)
-        if tensor.is_contiguous():
-            return self._wire(tensor)
-        stage = tensor.contiguous()
-        self._copy_back.append((tensor, stage))
-        return self._wire(stage)
+        caller, tensor = tensor, plain(tensor)
+        if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+            wire = self._wire(tensor)
+        else:
+            stage = tensor.resolve_conj().resolve_neg().contiguous()
+            self._copy_back.append((tensor, stage))
+            wire = self._wire(stage)
+        if wire is not caller:
+            self._callers[id(wire)] = caller
+        return wire
 
     def finish(self, work: Work, async_op: bool, result: list[torch.Tensor] | None = None) -> Work | None:
         """Attach the copies back to ``work``; wait for it unless ``async_op``. ``result``:
@@ -156,6 +180,8 @@ class Staging:
         if async_op:
             if result is not None:
                 work._outputs = result
+            elif self._callers:  # the result is the caller's tensors, as PyTorch's
+                work._outputs = [self._callers.get(id(t), t) for t in work._outputs]
             return work
         work.wait()
         return None

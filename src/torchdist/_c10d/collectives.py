@@ -20,7 +20,8 @@ import torch
 
 from .._process_group.reduce_op import COMPLEX_REDUCE_OPS, RedOpType, ReduceOp, as_red_op
 from .._process_group.work import Work
-from ._args import Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group
+from ._args import (Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group,
+                    overlaps)
 
 __all__ = [
     "broadcast",
@@ -59,14 +60,16 @@ def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
                                    "floating-point tensor")
         return op
     kind, _ = as_red_op(op)
-    if kind in _BITWISE:
-        if any(t.is_floating_point() or t.is_complex() for t in tensors):
-            raise RuntimeError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
-                               f"got {tensors[0].dtype}")
-    elif kind not in COMPLEX_REDUCE_OPS and any(t.is_complex() for t in tensors):
+    if kind not in COMPLEX_REDUCE_OPS and any(t.is_complex() for t in tensors):
         # PyTorch checks this in Python (ValueError) for all_reduce only; elsewhere its backend refuses
         error = ValueError if name.startswith("all_reduce") else RuntimeError
         raise error(f"{name} does not support {kind.name} on complex tensors")
+    if kind in _BITWISE and any(t.is_floating_point() for t in tensors):
+        raise RuntimeError(f"{name}: {kind.name} is only defined for integer and bool tensors, "
+                           f"got {tensors[0].dtype}")
+    if kind is RedOpType.PREMUL_SUM and not all(t.is_floating_point() or t.is_complex() for t in tensors):
+        raise RuntimeError(f"{name}: PREMUL_SUM multiplies by a floating-point factor, so it needs floating-point "
+                           f"or complex tensors, got {tensors[0].dtype}; use SUM")
     return op
 
 
@@ -191,6 +194,10 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     outputs = check_list("all_gather_coalesced", output_tensor_lists, pg.size(), "output_tensor_lists")
     for per_rank in outputs:
         check_list("all_gather_coalesced", per_rank, len(input_tensor_list), "each output list")
+        for out, inp in zip(per_rank, input_tensor_list):
+            if out.numel() != inp.numel():
+                raise RuntimeError(f"all_gather_coalesced: an output tensor has {out.numel()} elements but the "
+                                   f"input it receives has {inp.numel()}")
     check_same_dtype("all_gather_coalesced", [*input_tensor_list, *(t for lst in outputs for t in lst)])
     stage = Staging()
     works = [
@@ -310,6 +317,10 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     outputs = check_list("all_to_all", output_tensor_list, pg.size(), "output_tensor_list")
     inputs = check_list("all_to_all", input_tensor_list, pg.size(), "input_tensor_list")
     check_same_dtype("all_to_all", [*outputs, *inputs])
+    me = pg.rank()
+    if outputs[me].numel() != inputs[me].numel():  # what this rank sends itself: the sizes are all local
+        raise RuntimeError(f"all_to_all: output_tensor_list[{me}] has {outputs[me].numel()} elements but "
+                           f"input_tensor_list[{me}], which this rank sends itself, has {inputs[me].numel()}")
     stage = Staging()
     work = pg.backend.alltoall([stage.output(t) for t in outputs], [stage.input(t) for t in inputs],
                                async_op=async_op)
@@ -343,6 +354,14 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     world = pg.size()
     out_sizes = _splits("all_to_all_single", output, output_split_sizes, world, "output")
     in_sizes = _splits("all_to_all_single", input, input_split_sizes, world, "input")
+    me = pg.rank()
+    rows_out = output[0].numel() if output.dim() > 0 else 1
+    rows_in = input[0].numel() if input.dim() > 0 else 1
+    if out_sizes[me] * rows_out != in_sizes[me] * rows_in:
+        raise RuntimeError(f"all_to_all_single: the chunk this rank sends itself has {in_sizes[me] * rows_in} "
+                           f"elements in the input but {out_sizes[me] * rows_out} in the output")
+    if overlaps(input, output):  # PyTorch reads the whole input before writing: so must we
+        input = input.clone()
     stage = Staging()
     out_chunks = [stage.output(t) for t in torch.split(output.view(-1) if output.dim() == 0 else output, out_sizes)]
     in_chunks = [stage.input(t) for t in torch.split(input.view(-1) if input.dim() == 0 else input, in_sizes)]

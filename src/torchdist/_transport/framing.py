@@ -88,7 +88,8 @@ def dtype_code(dtype: torch.dtype | None) -> int:
     try:
         return _DTYPE_INDEX[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be communicated; supported: {list(DTYPES)}") from None
+        # RuntimeError, as PyTorch's backends refuse a dtype they cannot move
+        raise RuntimeError(f"dtype {dtype} cannot be communicated; supported: {list(DTYPES)}") from None
 
 
 class OpFingerprint(NamedTuple):

@@ -1,0 +1,98 @@
+"""Tensor arguments as PyTorch 2.13 treats them, found by running the same calls on both.
+
+Local mistakes raise before anything is sent and leave the group usable; views
+with flags (conjugate, negative) and aliased tensors give PyTorch's values; writing
+a tensor does not bump its autograd version counter; MIN/MAX results are the same
+bits on every rank.
+"""
+
+import pytest
+import torch
+
+import torchdist as dist
+from torchdist.testing import run_ranks
+
+BACKENDS = ["shm", "tcp"]
+
+
+def _local_mistakes(rank, world):
+    raised = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raised[name] = type(exc).__name__
+        else:
+            raised[name] = "nothing"
+    ints = torch.ones(3, dtype=torch.int32)
+    attempt("premul int", lambda: dist.all_reduce(ints, op=dist._make_nccl_premul_sum(2.0)))
+    attempt("band complex", lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.BAND))
+    attempt("all_to_all sizes", lambda: dist.all_to_all([torch.zeros(3)] * world, [torch.ones(4)] * world))
+    attempt("all_to_all_single sizes", lambda: dist.all_to_all_single(torch.zeros(3 * world), torch.ones(2 * world)))
+    attempt("all_gather_coalesced sizes",
+            lambda: dist.all_gather_coalesced([[torch.zeros(4)] for _ in range(world)], [torch.ones(3)]))
+    attempt("float8 fnuz", lambda: dist.broadcast(torch.zeros(2, dtype=torch.float8_e4m3fnuz), src=0))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group still works
+    return raised, t.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_mistakes_raise_pytorchs_types_and_leave_the_group_usable(backend):
+    for raised, after in run_ranks(_local_mistakes, 2, backend=backend, timeout=60):
+        assert raised == {"premul int": "RuntimeError", "band complex": "ValueError",
+                          "all_to_all sizes": "RuntimeError", "all_to_all_single sizes": "RuntimeError",
+                          "all_gather_coalesced sizes": "RuntimeError", "float8 fnuz": "RuntimeError"}
+        assert after == [2.0, 2.0]
+
+
+def _views_and_autograd(rank, world):
+    got = {}
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    z = (y * y).sum()  # saves y for backward
+    dist.all_reduce(y)
+    z.backward()  # PyTorch's collectives leave the version counter alone
+    got["version"], got["grad"] = y._version, x.grad.tolist()
+    base = torch.arange(2.0 * world) + 10 * rank
+    out = torch.empty(2 * world)
+    dist.all_to_all_single(out, torch._neg_view(base))  # a negative view: its values, not its memory
+    got["neg a2a"] = out.tolist()
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+    reduced = torch.empty(1, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(reduced, c.conj())
+    got["conj rst"] = reduced.tolist()
+    b = torch.arange(2.0 * world + 1) + 10 * rank
+    dist.all_to_all_single(b[1:], b[:-1])  # overlapping: the input is read as it was
+    got["overlap"] = b.tolist()
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flagged_views_aliases_and_saved_tensors_behave_as_in_pytorch(backend):
+    world = 2
+    results = run_ranks(_views_and_autograd, world, backend=backend, timeout=60)
+    total = sum(r + 1 for r in range(world))
+    for rank, got in enumerate(results):
+        assert got["version"] == 0 and got["grad"] == [8.0 * world] * 3
+        assert got["neg a2a"] == [-(2.0 * rank + i + 10 * j) for j in range(world) for i in range(2)]
+        want = (torch.tensor([1 + 2j, 3 - 1j]).conj() * total)[rank].item()
+        assert got["conj rst"] == [want]
+        # chunk j of the output receives rank j's input chunk ``rank``, as read before any write
+        assert got["overlap"] == [10.0 * rank] + [10.0 * j + 2 * rank + i for j in range(world) for i in range(2)]
+
+
+def _signed_zero_max(rank, world, numel, op):
+    zero = 0.0 if rank == 0 else -0.0
+    t = torch.full((numel,), zero)
+    dist.all_reduce(t, op=op)
+    return torch.signbit(t).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("numel", [3, 1 << 20], ids=["small", "pipelined"])
+@pytest.mark.parametrize("op", ["MAX", "MIN"])
+def test_min_max_of_signed_zeros_are_the_same_bits_on_every_rank(backend, numel, op):
+    results = run_ranks(_signed_zero_max, 2, args=(numel, getattr(dist.ReduceOp, op)), backend=backend, timeout=60)
+    assert results[0] == results[1]
