@@ -178,3 +178,63 @@ def test_rank_hosting_the_store_waits_for_the_others_to_leave(world_size):
     # their init-barrier reply would see a connection reset. Repeat to catch the race.
     for _ in range(5):
         assert run_ranks(_return_at_once, world_size, backend="tcp") == list(range(world_size))
+
+
+class _SetGetWaitStore(dist.Store):
+    """A user's store with only set, get and wait over a shared TCPStore: all that
+    PyTorch 2.13's init_process_group asks of a store."""
+
+    def __init__(self, inner: dist.TCPStore) -> None:
+        super().__init__()
+        self._inner = inner
+        self.calls: set[str] = set()
+
+    def set(self, key, value):
+        self.calls.add("set")
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self.calls.add("get")
+        return self._inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        self.calls.add("wait")
+        self._inner.wait(keys, timeout if timeout is not None else self._inner.timeout)
+
+
+def _init_over_a_minimal_store(rank, world_size, backend):
+    inner = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                          timeout=timedelta(seconds=30))
+    store = _SetGetWaitStore(inner)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist(), sorted(store.calls)
+
+
+@pytest.mark.parametrize("backend", ["auto", "tcp"])
+def test_a_store_with_only_set_get_and_wait_is_enough(backend):
+    for values, calls in run_ranks(_init_over_a_minimal_store, 2, args=(backend,), timeout=60):
+        assert values == [2.0, 2.0] and set(calls) <= {"set", "get", "wait"}
+
+
+class _BrokenBackend(Exception):
+    pass
+
+
+def _failing_creator(store, rank, size, timeout):
+    raise _BrokenBackend("the backend could not start")
+
+
+def _init_whose_backend_fails(rank, world_size):
+    dist.Backend.register_backend("failing_for_test", _failing_creator)
+    try:
+        dist.init_process_group("failing_for_test", timeout=timedelta(seconds=30))
+    except _BrokenBackend as exc:
+        return type(exc).__name__, dist.is_initialized()
+    return "nothing raised", dist.is_initialized()
+
+
+def test_a_failing_backend_raises_its_own_error_and_leaves_nothing_initialized():
+    assert run_ranks(_init_whose_backend_fails, 1, timeout=60) == [("_BrokenBackend", False)]

@@ -175,11 +175,14 @@ def test_clone_is_a_prefix_store_on_the_same_data() -> None:
 
 
 # -- emulation over a core-only store -------------------------------------------------
-def test_core_only_store_really_lacks_the_extended_api() -> None:
+def test_core_only_store_gets_the_extended_api_built_from_its_core() -> None:
+    """As from PyTorch's C++ base class: append from compare_set, multi_* from get/set."""
     store = CoreOnlyStore()
     assert store.has_extended_api() is False
-    with pytest.raises(RuntimeError, match="Not implemented"):
-        store.append("k", "v")
+    store.append("k", "v")
+    store.append("k", b"w")
+    store.multi_set(["a", "b"], ["1", b"2"])
+    assert store.get("k") == b"vw" and store.multi_get(["a", "b", "k"]) == [b"1", b"2", b"vw"]
 
 
 def test_emulated_append_loses_nothing_under_concurrency() -> None:

@@ -114,7 +114,7 @@ def init_process_group(
             group_desc="default_pg",
         )
     except BaseException:
-        destroy_process_group()
+        _tear_down()
         raise
     WORLD.default_pg = pg
     WORLD.register(pg)
@@ -156,24 +156,19 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta
 
 
 def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: timedelta) -> None:
-    """Return once every rank has arrived, or raise naming how many did.
+    """Return once every rank has arrived, or raise naming the ranks that did not.
 
-    Each rank adds 1 to a counter; the last to arrive sets a "done" key that the
-    others wait for. One round trip each, no polling.
+    Only ``set`` and ``wait`` (``Store.arrive_and_wait``): a user's store passed to
+    init_process_group needs nothing more, as with PyTorch.
     """
     key = "store_based_barrier_key"
-    if store.add(key, 1) == world_size:
-        store.set(key + "/done", b"1")
-        return
     try:
-        store.wait([key + "/done"], timeout)
+        store.arrive_and_wait(key, rank, world_size, timeout)
     except DistStoreError as exc:
-        joined = int(store.get(key)) if store.check([key]) else 0
         raise DistStoreError(
             f"Timed out initializing process group in store based barrier on rank {rank}, for key: {key} "
-            f"(world_size={world_size}, num_workers_joined={joined}, timeout={timeout}). "
-            f"{world_size - joined} rank(s) never called init_process_group: check that every rank was "
-            "started with the same world size and rendezvous address."
+            f"(world_size={world_size}, timeout={timeout}): {exc} Check that every rank was started with the "
+            "same world size and rendezvous address."
         ) from exc
 
 
@@ -187,16 +182,21 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is not None and not isinstance(group, ProcessGroup):
         raise ValueError(f"Invalid process group specified: {group!r}")
     if group is None or group is WORLD.default_pg:
-        for pg in list(WORLD.groups.values()):  # the default group is registered too
-            pg.shutdown()
-        store, owned = WORLD.store, WORLD.owns_store
-        WORLD.reset()
-        if owned:
-            _close_store(store)
+        _tear_down()
         return
     pg = WORLD.resolve(group)
     pg.shutdown()
     WORLD.unregister(pg)
+
+
+def _tear_down() -> None:
+    """Shut down every group, forget them, and close the store init_process_group made."""
+    for pg in list(WORLD.groups.values()):  # the default group is registered too
+        pg.shutdown()
+    store, owned = WORLD.store, WORLD.owns_store
+    WORLD.reset()
+    if owned:
+        _close_store(store)
 
 
 #: How long the rank hosting the job's TCPStore waits, when the group is destroyed, for

@@ -98,18 +98,35 @@ class Store:
         raise RuntimeError("Not implemented.")
 
     # -- the extended API ----------------------------------------------------------
+    # A subclass that defines only the core operations gets these built from them, as
+    # from PyTorch's C++ base class.
     def has_extended_api(self) -> bool:
         """True when ``append``, ``multi_get`` and ``multi_set`` are native operations."""
         return False
 
     def append(self, key: str, value: str | bytes) -> None:
-        raise RuntimeError("Not implemented.")
+        """Append ``value`` to ``key``'s value (creating it): a ``compare_set`` loop, so
+        as atomic as the subclass's ``compare_set`` (``get`` would block on a missing key)."""
+        suffix = to_bytes(value)
+        try:  # start from what is there: a guess of b"" fails to append to a value equal to suffix
+            current = self.get(key) if self.check([key]) else b""
+        except RuntimeError:  # no check (or the key went away): guess empty; a missing key matches b""
+            current = b""
+        while True:
+            desired = current + suffix
+            result = self.compare_set(key, current, desired)  # desired on success, else what is there
+            if result == desired:
+                return
+            # A present key would have matched ``current``, so getting ``current`` back
+            # means the key is missing (deleted under us): start from empty.
+            current = b"" if result == current else result
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        raise RuntimeError("Not implemented.")
+        return [self.get(key) for key in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        raise RuntimeError("Not implemented.")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
 
     def list_keys(self) -> list[str]:
         raise RuntimeError("Not implemented.")
@@ -125,6 +142,26 @@ class Store:
 
     def queue_len(self, key: str) -> int:
         raise RuntimeError("Not implemented.")
+
+    def arrive_and_wait(self, key: str, rank: int, world_size: int, timeout: timedelta | None = None) -> None:
+        """Block until ranks 0..world_size-1 have all called this with ``key``.
+
+        Each rank sets ``key/<rank>`` and waits for everyone's: only ``set`` and
+        ``wait``, which every store has (a user's ``Store`` subclass often has
+        nothing else, and PyTorch's init asks no more of it). Raises
+        ``DistStoreError`` naming the ranks that did not arrive.
+        """
+        self.set(f"{key}/{rank}", b"1")
+        keys = [f"{key}/{r}" for r in range(world_size)]
+        try:
+            self.wait(keys, timeout if timeout is not None else self.timeout)
+        except DistStoreError as exc:
+            try:
+                missing = [r for r, k in enumerate(keys) if not self.check([k])]
+            except RuntimeError:  # a store without check: the wait's error says enough
+                raise exc from None
+            raise DistStoreError(f"{exc} {world_size - len(missing)}/{world_size} ranks arrived at {key!r}; "
+                                 f"missing: ranks {missing}.") from exc
 
     def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
         """Block until ``world_size`` callers have called ``barrier`` with ``key``.

@@ -101,42 +101,20 @@ class PrefixStore(Store):
     def clone(self) -> "PrefixStore":
         return PrefixStore(self._prefix, self._store.clone())
 
-    # -- extended API, native or emulated ------------------------------------------
+    # -- extended API: native, or the underlying store's emulation (base.Store) -----
     def has_extended_api(self) -> bool:
         return self._store.has_extended_api()
 
     def append(self, key: str, value: str | bytes) -> None:
-        key, value = self._key(key), to_bytes(value)
-        if self._store.has_extended_api():
-            self._store.append(key, value)
-            return
-        # compare_set returns the new value on success and the current one on
-        # failure; start from what is there now, retry from what we are told.
-        current = self._store.get(key) if self._store.check([key]) else b""
-        while True:
-            desired = current + value
-            result = self._store.compare_set(key, current, desired)
-            if result == desired:
-                return
-            # Lost a race. A present key would have matched ``current``, so getting
-            # ``current`` back means the key is missing: start from empty.
-            current = b"" if result == current else result
+        self._store.append(self._key(key), to_bytes(value))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        keys = [self._key(k) for k in keys]
-        if self._store.has_extended_api():
-            return self._store.multi_get(keys)
-        return [self._store.get(k) for k in keys]
+        return self._store.multi_get([self._key(k) for k in keys])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        keys, values = [self._key(k) for k in keys], [to_bytes(v) for v in values]
         if len(keys) != len(values):
             raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
-        if self._store.has_extended_api():
-            self._store.multi_set(keys, values)
-            return
-        for key, value in zip(keys, values):
-            self._store.set(key, value)
+        self._store.multi_set([self._key(k) for k in keys], [to_bytes(v) for v in values])
 
     # -- queues --------------------------------------------------------------------
     def queue_push(self, key: str, value: str | bytes) -> None:

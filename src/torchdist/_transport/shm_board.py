@@ -147,7 +147,7 @@ class Board:
             self.segments = segments
             # Everyone has mapped everything: the names can go. From here on, the kernel
             # frees the memory when the last process that maps it exits, however it exits.
-            store.barrier("shm/mapped", self.size, timedelta(seconds=timeout))
+            store.arrive_and_wait("shm/mapped", rank, self.size, timedelta(seconds=timeout))
         except BaseException:
             for segment in self.segments or [own]:
                 segment.close()

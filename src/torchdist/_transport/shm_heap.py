@@ -83,7 +83,7 @@ class SymmetricHeap:
                         f"{nbytes} bytes but rank {self.names[peer]} for {theirs}. Every rank must allocate "
                         "the same sizes in the same order.")
                 segments.append(Segment.attach(path, size, self.label, self.names[peer]))
-            self.store.barrier(f"symm/{index}/mapped", self.size, timedelta(seconds=self.timeout))
+            self.store.arrive_and_wait(f"symm/{index}/mapped", self.rank, self.size, timedelta(seconds=self.timeout))
         except BaseException:
             for segment in segments or [own]:
                 segment.close()
