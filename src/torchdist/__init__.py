@@ -55,6 +55,7 @@ from ._c10d.collectives import (
 from ._c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, monitored_barrier, recv, send
 from ._ddp.bucket import GradBucket
 from .nn.parallel import DistributedDataParallel
+from .algorithms.ddp_comm_hooks import BuiltinCommHookType
 from .utils.data import DistributedSampler
 from . import algorithms, autograd, nn, optim, rpc, symmetric_memory, utils
 from ._c10d.object_collectives import (
@@ -88,7 +89,7 @@ __all__ = [
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
     # data parallel
-    "DistributedDataParallel", "DistributedSampler", "GradBucket",
+    "BuiltinCommHookType", "DistributedDataParallel", "DistributedSampler", "GradBucket",
     # subpackages: torch.distributed.{algorithms, autograd, optim, rpc}, torch.nn, torch.utils.data
     "algorithms", "autograd", "nn", "optim", "rpc", "utils",
 ]

@@ -51,8 +51,6 @@ class DDPConfig:
     def __post_init__(self) -> None:
         if self.solo_param_bytes <= 0:
             raise ValueError(f"solo_param_bytes must be positive, got {self.solo_param_bytes!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
         if self.first_bucket_bytes <= 0:
             raise ValueError(f"first_bucket_bytes must be positive, got {self.first_bucket_bytes!r}")
         if self.bucket_cap_mb_list is not None:

@@ -19,10 +19,18 @@ from .default_hooks import (
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook
 
 __all__ = [
-    "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook", "debugging_hooks",
+    "BuiltinCommHookType", "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook", "debugging_hooks",
     "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper",
     "PowerSGDState", "batched_powerSGD_hook",
 ]
+
+
+class BuiltinCommHookType(enum.Enum):
+    """The hooks PyTorch's reducer runs natively (``DDP._register_builtin_comm_hook``);
+    here they are the Python ones of the same name."""
+
+    ALLREDUCE = 0
+    FP16_COMPRESS = 1
 
 
 class DDPCommHookType(enum.Enum):

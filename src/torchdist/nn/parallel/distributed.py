@@ -21,6 +21,7 @@ Uneven inputs: DDP is a :class:`~torchdist.algorithms.join.Joinable`; under
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import warnings
@@ -107,6 +108,20 @@ def _check_comm_hook(hook: Callable) -> None:
                                                               "Future[torch.Tensor]"))
         if not ok:
             raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+
+
+def _find_tensors(obj) -> list[torch.Tensor]:
+    """The tensors in a forward's output, as PyTorch's DDP finds them: inside lists,
+    tuples, dicts and dataclasses (which pytree does not enter)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _find_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _find_tensors(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _find_tensors(getattr(obj, f.name))]
+    return []
 
 
 class DistributedDataParallel(torch.nn.Module, Joinable):
@@ -213,6 +228,26 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.reducer = Reducer(params, names, self.process_group, self._config)
         self._has_rebuilt_buckets = False
 
+    # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP ---------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the process group and the reducer (sockets, hooks): a copy is
+        rebuilt on the default group by ``__setstate__``, without a registered comm hook."""
+        if self.process_group is not WORLD.default_pg:
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                               "group. That is, when you have called init_process_group and have not passed "
+                               "process_group argument to DDP constructor")
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = WORLD.require_default()
+        super().__setstate__(state)
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        self._module_param_names, self._module_params = [n for n, _ in named], [p for _, p in named]
+        self.reducer = Reducer(self._module_params, self._module_param_names, self.process_group, self._config)
+
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
@@ -235,16 +270,18 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
 
     def _post_forward(self, output):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # nothing to reduce, so the next forward syncs no buffers
+            self.require_forward_param_sync = False
             return output
         if not self.require_backward_grad_sync:
             self.require_forward_param_sync = False
             self.reducer.disable_hooks()
             return output
         self.require_forward_param_sync = True
+        self.reducer.prepare_for_backward(
+            [t for t in _find_tensors(output) if t.requires_grad] if self.find_unused_parameters else [])
         flat, spec = tree_flatten(output)
         tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-        self.reducer.prepare_for_backward(tensors if self.find_unused_parameters else [])
         if not tensors or not (self.find_unused_parameters or self.static_graph):
             return output
         passed = iter(_DDPSink.apply(weakref.ref(self.reducer), *tensors))
@@ -327,8 +364,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
-        from ...algorithms.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook
-        register_ddp_comm_hook(DDPCommHookType[getattr(comm_hook_type, "name", str(comm_hook_type))], self)
+        from ...algorithms.ddp_comm_hooks import BuiltinCommHookType, DDPCommHookType, register_ddp_comm_hook
+        if not isinstance(comm_hook_type, BuiltinCommHookType):
+            raise TypeError(f"_register_builtin_comm_hook takes a torchdist.BuiltinCommHookType, got {comm_hook_type!r}")
+        register_ddp_comm_hook(DDPCommHookType[comm_hook_type.name], self)
 
     # -- configuration and introspection --------------------------------------------------------
     def _set_static_graph(self) -> None:
