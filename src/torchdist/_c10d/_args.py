@@ -140,7 +140,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._callers: dict[int, torch.Tensor] = {}  # id of what the backend writes -> the caller's tensor
+        self._callers: dict[int, torch.Tensor] | None = None  # id of what the backend writes -> the caller's
 
     @staticmethod
     def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -161,6 +161,8 @@ class Staging:
             self._copy_back.append((tensor, stage))
             wire = self._wire(stage)
         if wire is not caller:
+            if self._callers is None:
+                self._callers = {}
             self._callers[id(wire)] = caller
         return wire
 
@@ -180,7 +182,7 @@ class Staging:
         if async_op:
             if result is not None:
                 work._outputs = result
-            elif self._callers:  # the result is the caller's tensors, as PyTorch's
+            elif self._callers is not None:  # the result is the caller's tensors, as PyTorch's
                 work._outputs = [self._callers.get(id(t), t) for t in work._outputs]
             return work
         work.wait()

@@ -47,13 +47,23 @@ logger = logging.getLogger(__name__)
 #: How long the worker blocks in one ``progress`` call while transfers are pending.
 _IDLE_POLL_S = 0.05
 
-_thread_role = threading.local()
+class _ThreadRole(threading.local):
+    """Per thread: is it an engine's worker, how many engines does it drive (nested),
+    and what waits until it lets go of the outermost one. Class attributes are each
+    thread's defaults, so reading them costs no ``getattr`` with a default."""
+
+    worker = False
+    depth = 0
+    held: list[Callable[[], None]] | None = None
+
+
+_thread_role = _ThreadRole()
 
 
 def on_worker_thread() -> bool:
     """Whether the calling thread is an engine's worker, i.e. runs ops that some
     caller issued and went on from (it is computing, or waits on a Work)."""
-    return getattr(_thread_role, "worker", False)
+    return _thread_role.worker
 
 
 def after_release(fn: Callable[[], None]) -> None:
@@ -65,14 +75,15 @@ def after_release(fn: Callable[[], None]) -> None:
     thread driving an engine ``fn`` waits until it lets go; and on an engine's worker,
     which may be the only thread able to run that op, ``fn`` goes to a callback thread
     (gloo has a pool of worker threads for the same reason)."""
-    if on_worker_thread():
+    role = _thread_role
+    if role.worker:
         _CALLBACK_THREADS.run(fn)
-        return
-    held = getattr(_thread_role, "held", None)
-    if held is None:
+    elif not role.depth:
         _call(fn)
+    elif role.held is None:
+        role.held = [fn]
     else:
-        held.append(fn)
+        role.held.append(fn)
 
 
 def _call(fn: Callable[[], None]) -> None:
@@ -120,17 +131,15 @@ _CALLBACK_THREADS = _CallbackThreads()
 
 def _hold() -> None:
     """This thread starts driving an engine (possibly inside driving another)."""
-    depth = getattr(_thread_role, "depth", 0)
-    if depth == 0:
-        _thread_role.held = []
-    _thread_role.depth = depth + 1
+    _thread_role.depth += 1
 
 
 def _let_go() -> None:
     """This thread stopped driving an engine: run what waited for the outermost one."""
-    _thread_role.depth -= 1
-    if _thread_role.depth == 0:
-        held, _thread_role.held = _thread_role.held, None
+    role = _thread_role
+    role.depth -= 1
+    if not role.depth and role.held is not None:
+        held, role.held = role.held, None
         for fn in held:
             _call(fn)
 

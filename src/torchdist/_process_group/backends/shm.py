@@ -106,17 +106,15 @@ class ShmBackend(TcpBackend):
     def async_overlaps_compute(self) -> bool:
         return self._transport.board.spare_cores
 
-    def _runs_inline(self, async_op: bool, outputs: list[torch.Tensor]) -> bool:
-        """Whether an op on ``outputs`` runs on the caller's thread (see above)."""
-        if not async_op:
-            return True
+    def _runs_inline(self, outputs: list[torch.Tensor]) -> bool:
+        """Whether an ``async_op=True`` op on ``outputs`` runs on the caller's thread (see above)."""
         if self._transport.board.spare_cores and sum(t.numel() * t.element_size() for t in outputs) >= WAKE_BYTES:
             return False
         return self._transport.steps.peers_inside()
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
                     run: Callable[[Comm], None], async_op: bool, seconds: float | None = None) -> Work:
-        if self._broken is None and self._runs_inline(async_op, outputs):
+        if self._broken is None and (not async_op or self._runs_inline(outputs)):
             work = self._inline(op_name, outputs, fingerprint, run, seconds=seconds)
             if work is not None:
                 return work
@@ -126,7 +124,7 @@ class ShmBackend(TcpBackend):
                   async_op: bool = False) -> Work:
         """A single-tensor all-reduce (not PREMUL_SUM) runs from a cached plan: its
         reduce-op translation and fingerprint cost more than a small op's data."""
-        if len(tensors) == 1 and self._broken is None and self._runs_inline(async_op, tensors):
+        if len(tensors) == 1 and self._broken is None and (not async_op or self._runs_inline(tensors)):
             tensor = tensors[0]
             plan = memo(self._plans, (op, tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
                         tensor.numel())
