@@ -330,7 +330,7 @@ def _spare_cores(rank: int, world: int, cores: int) -> tuple[bool, list[str], li
     import threading
 
     from torchdist._algorithms import shm_direct
-    from torchdist._transport.engine import on_worker_thread
+    from torchdist._transport.thread_roles import on_worker_thread
 
     os.sched_getaffinity = lambda pid: set(range(cores))
     torchdist.init_process_group("shm")

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .._transport.engine import after_release
+from .._transport.thread_roles import after_release
 from ..errors import DistBackendError
 
 __all__ = ["Work", "WorkState"]

@@ -39,109 +39,14 @@ from collections import deque
 from typing import Callable
 
 from .base import Transport
+from .thread_roles import become_worker, hold, let_go
 
-__all__ = ["Engine", "EngineOp", "on_worker_thread", "after_release"]
+__all__ = ["Engine", "EngineOp"]
 
 logger = logging.getLogger(__name__)
 
 #: How long the worker blocks in one ``progress`` call while transfers are pending.
 _IDLE_POLL_S = 0.05
-
-class _ThreadRole(threading.local):
-    """Per thread: is it an engine's worker, how many engines does it drive (nested),
-    and what waits until it lets go of the outermost one. Class attributes are each
-    thread's defaults, so reading them costs no ``getattr`` with a default."""
-
-    worker = False
-    depth = 0
-    held: list[Callable[[], None]] | None = None
-
-
-_thread_role = _ThreadRole()
-
-
-def on_worker_thread() -> bool:
-    """Whether the calling thread is an engine's worker, i.e. runs ops that some
-    caller issued and went on from (it is computing, or waits on a Work)."""
-    return _thread_role.worker
-
-
-def after_release(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` where it may block on other ops.
-
-    For user code that an op's completion triggers (a ``torch.futures.Future``'s
-    callbacks): such code may issue and wait on another op, as callbacks written for
-    PyTorch do. That op could never run while this thread holds the engine, so on a
-    thread driving an engine ``fn`` waits until it lets go; and on an engine's worker,
-    which may be the only thread able to run that op, ``fn`` goes to a callback thread
-    (gloo has a pool of worker threads for the same reason)."""
-    role = _thread_role
-    if role.worker:
-        _CALLBACK_THREADS.run(fn)
-    elif not role.depth:
-        _call(fn)
-    elif role.held is None:
-        role.held = [fn]
-    else:
-        role.held.append(fn)
-
-
-def _call(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except BaseException:  # noqa: BLE001 - user callbacks must not break the engine
-        logger.exception("a callback run after an op completed raised")
-
-
-class _CallbackThreads:
-    """Daemon threads that run callbacks, one more whenever none is idle: a callback
-    that blocks (on an op whose completion runs another callback) never holds up the
-    others. Daemons, unlike ``ThreadPoolExecutor``'s, never keep a process from exiting."""
-
-    def __init__(self) -> None:
-        self._tasks: deque[Callable[[], None]] = deque()
-        self._cv = threading.Condition()
-        self._idle = 0
-
-    def run(self, fn: Callable[[], None]) -> None:
-        with self._cv:
-            self._tasks.append(fn)
-            if self._idle:
-                self._cv.notify()
-                return
-        threading.Thread(target=self._loop, name="torchdist-callbacks", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                self._idle += 1
-                while not self._tasks:
-                    if not self._cv.wait(timeout=_CALLBACK_IDLE_S):
-                        self._idle -= 1
-                        return
-                self._idle -= 1
-                fn = self._tasks.popleft()
-            _call(fn)
-
-
-#: How long an idle callback thread waits for more work before it exits.
-_CALLBACK_IDLE_S = 10.0
-_CALLBACK_THREADS = _CallbackThreads()
-
-
-def _hold() -> None:
-    """This thread starts driving an engine (possibly inside driving another)."""
-    _thread_role.depth += 1
-
-
-def _let_go() -> None:
-    """This thread stopped driving an engine: run what waited for the outermost one."""
-    role = _thread_role
-    role.depth -= 1
-    if not role.depth and role.held is not None:
-        held, role.held = role.held, None
-        for fn in held:
-            _call(fn)
 
 
 class EngineOp:
@@ -216,7 +121,7 @@ class Engine:
         if driving:
             self.transport.interrupt()  # the driver may be blocked in a poll
             return
-        _hold()
+        hold()
         op.started = True
         try:
             self._execute(op)
@@ -257,7 +162,7 @@ class Engine:
             if self._busy or op not in self._queue:
                 return False
             self._busy = True
-        _hold()
+        hold()
         try:
             while True:
                 with self._cv:
@@ -279,7 +184,7 @@ class Engine:
             if self._busy or self._queue:
                 return False
             self._busy = True
-        _hold()
+        hold()
         return True
 
     def drive(self, until: Callable[[], bool], step: Callable[[], None]) -> bool:
@@ -317,10 +222,10 @@ class Engine:
                 # leftovers (async ops, posts handed over since the drain above, pending
                 # transfers): the worker takes over
                 self._wake_worker()
-        _let_go()
+        let_go()
 
     def _work(self) -> None:
-        _thread_role.worker = True
+        become_worker()
         while True:
             with self._cv:
                 while not self._closed and (self._busy or not self._has_work()):
@@ -331,7 +236,7 @@ class Engine:
                 if op is not None:
                     op.started = True
                 self._busy = True
-            _hold()
+            hold()
             if op is not None:
                 self._run(op)
                 continue

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..errors import DistBackendError
-from .engine import on_worker_thread
+from .thread_roles import on_worker_thread
 from .framing import OpFingerprint
 from .shm_board import DIGEST, FP, FP_LINE, LINE, STEP, Board
 from .shm_heap import SymmetricHeap
