@@ -66,6 +66,9 @@ def _views_and_autograd(rank, world):
     b = torch.arange(2.0 * world + 1) + 10 * rank
     dist.all_to_all_single(b[1:], b[:-1])  # overlapping: the input is read as it was
     got["overlap"] = b.tolist()
+    empty = torch.empty(0, 3)
+    dist.all_to_all_single(empty, torch.empty(0, 3))  # no rows at all
+    got["no rows"] = tuple(empty.shape)
     return got
 
 
@@ -75,7 +78,7 @@ def test_flagged_views_aliases_and_saved_tensors_behave_as_in_pytorch(backend):
     results = run_ranks(_views_and_autograd, world, backend=backend, timeout=60)
     total = sum(r + 1 for r in range(world))
     for rank, got in enumerate(results):
-        assert got["version"] == 0 and got["grad"] == [8.0 * world] * 3
+        assert got["version"] == 0 and got["grad"] == [8.0 * world] * 3 and got["no rows"] == (0, 3)
         assert got["neg a2a"] == [-(2.0 * rank + i + 10 * j) for j in range(world) for i in range(2)]
         want = (torch.tensor([1 + 2j, 3 - 1j]).conj() * total)[rank].item()
         assert got["conj rst"] == [want]

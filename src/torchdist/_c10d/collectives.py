@@ -13,6 +13,7 @@ None once the tensors hold the result.
 
 from __future__ import annotations
 
+import math
 import warnings
 from datetime import timedelta
 
@@ -73,8 +74,17 @@ def _check_op(name: str, op: ReduceOp, tensors: list[torch.Tensor]) -> ReduceOp:
     return op
 
 
-def _check_same_shape(op: str, tensor: torch.Tensor, tensors: list[torch.Tensor], name: str) -> None:
-    """The root's list of a gather or scatter holds tensors shaped as the rank's own."""
+def _check_root_list(op: str, tensor: torch.Tensor, tensors: list[torch.Tensor] | None, size: int,
+                     name: str, kind: str) -> None:
+    """The root's list of a gather or scatter, as PyTorch checks it: given (ValueError),
+    one tensor per rank, of ``tensor``'s dtype and shape (RuntimeError)."""
+    if not tensors:
+        root = "destination" if op == "gather" else "source"
+        raise ValueError(f"{op}: Argument ``{name}`` must be specified on {root} rank.")
+    if len(tensors) != size:
+        raise RuntimeError(f"{op}: Incorrect {kind} list size {len(tensors)}. {kind.capitalize()} list size should be "
+                           f"{size}")
+    check_same_dtype(op, [tensor, *tensors])
     for i, t in enumerate(tensors):
         if t.shape != tensor.shape:
             raise RuntimeError(f"{op}: invalid tensor size at index {i} of {name} (expected {tuple(tensor.shape)}, "
@@ -219,13 +229,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     root = group_root(pg, "gather", dst, group_dst, default=0 if group_dst is None else None)
     stage = Staging()
     if pg.rank() == root:
-        if not gather_list:
-            raise ValueError("gather: Argument ``gather_list`` must be specified on destination rank.")
-        if len(gather_list) != pg.size():
-            raise RuntimeError(f"gather: Incorrect output list size {len(gather_list)}. Output list size should be "
-                               f"{pg.size()}")
-        check_same_dtype("gather", [tensor, *gather_list])
-        _check_same_shape("gather", tensor, gather_list, "gather_list")
+        _check_root_list("gather", tensor, gather_list, pg.size(), "gather_list", "output")
         outputs = [stage.output(t) for t in gather_list]
     else:
         if gather_list:
@@ -244,13 +248,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     root = group_root(pg, "scatter", src, group_src, default=0 if group_src is None else None)
     stage = Staging()
     if pg.rank() == root:
-        if not scatter_list:
-            raise ValueError("scatter: Argument ``scatter_list`` must be specified on source rank.")
-        if len(scatter_list) != pg.size():
-            raise RuntimeError(f"scatter: Incorrect input list size {len(scatter_list)}. Input list size should be "
-                               f"{pg.size()}")
-        check_same_dtype("scatter", [tensor, *scatter_list])
-        _check_same_shape("scatter", tensor, scatter_list, "scatter_list")
+        _check_root_list("scatter", tensor, scatter_list, pg.size(), "scatter_list", "input")
         inputs = [stage.input(t) for t in scatter_list]
     else:
         if scatter_list:
@@ -355,8 +353,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out_sizes = _splits("all_to_all_single", output, output_split_sizes, world, "output")
     in_sizes = _splits("all_to_all_single", input, input_split_sizes, world, "input")
     me = pg.rank()
-    rows_out = output[0].numel() if output.dim() > 0 else 1
-    rows_in = input[0].numel() if input.dim() > 0 else 1
+    rows_out, rows_in = math.prod(output.shape[1:]), math.prod(input.shape[1:])  # elements per row (1 for 0-d)
     if out_sizes[me] * rows_out != in_sizes[me] * rows_in:
         raise RuntimeError(f"all_to_all_single: the chunk this rank sends itself has {in_sizes[me] * rows_in} "
                            f"elements in the input but {out_sizes[me] * rows_out} in the output")
