@@ -110,6 +110,12 @@ def _check_comm_hook(hook: Callable) -> None:
             raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
 
 
+def _reduced_parameters(module: torch.nn.Module, ignore: set[str]) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """Names and parameters whose gradients DDP averages: those requiring grad, not ignored."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
+    return [n for n, _ in named], [p for _, p in named]
+
+
 def _find_tensors(obj) -> list[torch.Tensor]:
     """The tensors in a forward's output, as PyTorch's DDP finds them: inside lists,
     tuples, dicts and dataclasses (which pytree does not enter)."""
@@ -214,8 +220,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.parameters_to_ignore = ignore
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
-        names, params = [n for n, _ in named], [p for _, p in named]
+        names, params = _reduced_parameters(module, ignore)
         if not params:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
                                "that requires a gradient.")
@@ -243,9 +248,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = WORLD.require_default()
         super().__setstate__(state)
-        named = [(n, p) for n, p in self.module.named_parameters()
-                 if p.requires_grad and n not in self.parameters_to_ignore]
-        self._module_param_names, self._module_params = [n for n, _ in named], [p for _, p in named]
+        self._module_param_names, self._module_params = _reduced_parameters(self.module, self.parameters_to_ignore)
         self.reducer = Reducer(self._module_params, self._module_param_names, self.process_group, self._config)
 
     # -- forward -----------------------------------------------------------------------------
