@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -187,6 +188,18 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     pg = WORLD.resolve(group)
     pg.shutdown()
     WORLD.unregister(pg)
+
+
+@atexit.register
+def _quiesce_at_exit() -> None:
+    """Finish every live group's outstanding ops and stop its threads before the
+    interpreter finalizes (an async op never waited on still runs; gloo finishes
+    them too). Groups the program destroyed are gone from the registry already."""
+    for pg in list(WORLD.groups.values()):
+        try:
+            pg._backend.quiesce()
+        except Exception:  # noqa: BLE001 - never fail an exit
+            logger.debug("quiescing %r at exit failed", pg, exc_info=True)
 
 
 def _tear_down() -> None:

@@ -134,3 +134,8 @@ class ProcessGroupBackend:
     def abort(self) -> None:
         """Tear down at once, failing whatever is in flight."""
         self.shutdown()
+
+    def quiesce(self) -> None:
+        """At interpreter exit: let queued and running ops finish and stop background
+        threads (one still inside a torch op while the interpreter finalizes aborts the
+        process). Nothing else is released: the process is about to end."""

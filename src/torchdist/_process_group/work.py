@@ -49,6 +49,7 @@ class Work:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._future: torch.futures.Future | None = None
+        self._settling: int | None = None  # the thread completing the future, meanwhile
         self._callbacks: list[Callable[["Work"], None]] = []
 
     @staticmethod
@@ -87,7 +88,25 @@ class Work:
                 if self._exception is None:
                     self._exception = exc
                     self._state = WorkState.FAILED
-        self._done.set()
+        with self._lock:
+            future = self._future
+        if future is None:
+            self._done.set()
+        else:
+            # As in PyTorch, the future completes (its callbacks run) before wait()
+            # returns: a callback that issues an op issues it before the waiter's next
+            # one, on every rank. The future's callbacks are the user's, so they run
+            # where they may wait on other ops (``after_release``).
+            after_release(self._settle)
+
+    def _settle(self) -> None:
+        """Complete the future (running its callbacks), then wake the waiters."""
+        self._settling = threading.get_ident()
+        try:
+            _resolve_future(self)
+        finally:
+            self._settling = None
+            self._done.set()
 
     def _on_done(self, callback: Callable[["Work"], None]) -> None:
         """Run ``callback(self)`` once the Work leaves PENDING (at once if it has)."""
@@ -110,6 +129,10 @@ class Work:
             if self._exception is not None:
                 raise self._exception
             return True
+        if self._settling == threading.get_ident():
+            # A future callback waiting on its own op: the op is done, the waiters are not
+            # woken yet because this very callback runs first.
+            return self._wait_result()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         return self._wait_until(seconds, time.monotonic() + seconds if seconds else None)
 
@@ -121,12 +144,15 @@ class Work:
                 f"Work.wait: {self.op_name} did not complete within {seconds:.3f}s; the operation "
                 "is still in flight. Wait longer, or check that every rank called it."
             )
+        return self._wait_result()
+
+    def _wait_result(self) -> bool:
         if self._exception is not None:
             raise self._exception
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() or self._settling == threading.get_ident()
 
     def is_success(self) -> bool:
         """No error so far (PyTorch's meaning: a pending op counts as successful)."""
@@ -175,11 +201,8 @@ class Work:
                 return self._future
             self._future = torch.futures.Future()
             pending = self._state is WorkState.PENDING
-            if pending:
-                # The future's callbacks are the user's: they run once the completing
-                # thread has let go of the transport, so they may issue ops themselves.
-                self._callbacks.append(lambda work: after_release(lambda: _resolve_future(work)))
-        if not pending:
+        if not pending:  # (pending: _run_callbacks completes it)
+            self._done.wait()  # the op's own completion callbacks have run
             _resolve_future(self)
         return self._future
 
@@ -202,6 +225,7 @@ class _CompletedWork(Work):
     _done.set()
     _lock = threading.Lock()
     _future = None
+    _settling = None
     _callbacks = ()
 
     def __init__(self, op_name: str, outputs: list[torch.Tensor] | None = None) -> None:

@@ -26,7 +26,8 @@ States of the engine::
     idle ──submit──▶ queued ──run by caller or worker──▶ busy ──queue empty──▶ idle
       └──────────────────────────── close() ─────────────────────────▶ closed
 
-Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``;
+Lock: ``_cv`` (its lock, ``_mutex``) guards ``_queue``, ``_busy`` and ``_closed``
+(``settle`` waits on it for the driver to let go);
 it is never held while an op runs or the transport is driven. ``_posts`` is a
 deque: appended by any thread, emptied only by the driver.
 """
@@ -35,11 +36,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
 from .base import Transport
-from .thread_roles import become_worker, hold, let_go
+from .thread_roles import become_worker, driving, hold, let_go
 
 __all__ = ["Engine", "EngineOp"]
 
@@ -79,7 +81,9 @@ class Engine:
         self._queue: deque[EngineOp] = deque()
         self._posts: deque[EngineOp] = deque()  # handed to the driver by ``post``
         self._busy = False
+        self._moving_only = False  # the driver only moves P2P transfers (no op runs)
         self._closed = False
+        self._watchers = 0  # threads in ``settle``, to be notified when the driver lets go
         self._worker: threading.Thread | None = None
 
     def submit(self, op: EngineOp, wake: bool) -> None:
@@ -140,6 +144,10 @@ class Engine:
             op.started = True
             self._execute(op)
 
+    def queued(self) -> bool:
+        """Whether ops wait in the queue (read without the lock: a hint for a driver)."""
+        return bool(self._queue)
+
     def kick(self) -> None:
         """Make sure queued ops and pending transfers progress without the caller
         (``is_completed`` polling, futures, a caller that cannot drive)."""
@@ -181,7 +189,7 @@ class Engine:
         """Take the transport for this thread if the engine is idle (nothing queued,
         nobody driving); False if not. Every True is paired with ``release()``."""
         with self._mutex:
-            if self._busy or self._queue:
+            if self._busy or self._queue or self._closed:
                 return False
             self._busy = True
         hold()
@@ -191,6 +199,7 @@ class Engine:
         """Take the transport and call ``step()`` until ``until()``; False if busy."""
         if not self.take():
             return False
+        self._moving_only = True
         try:
             while not until():
                 step()
@@ -216,12 +225,14 @@ class Engine:
         if self._posts:
             self._run_posts()
         with self._mutex:
-            self._busy = False
+            self._busy = self._moving_only = False
             leftovers = self._queue or self._posts or (not leave_pending and self._has_work())
             if leftovers and not self._closed:
                 # leftovers (async ops, posts handed over since the drain above, pending
                 # transfers): the worker takes over
                 self._wake_worker()
+            if self._watchers:
+                self._cv.notify_all()
         let_go()
 
     def _work(self) -> None:
@@ -236,6 +247,7 @@ class Engine:
                 if op is not None:
                     op.started = True
                 self._busy = True
+                self._moving_only = op is None
             hold()
             if op is not None:
                 self._run(op)
@@ -251,6 +263,31 @@ class Engine:
 
     def _has_work(self) -> bool:  # under _mutex
         return bool(self._queue or self._posts) or (self.transport.error is None and self.transport.pending())
+
+    def settle(self, timeout: float, transfers_count: bool = False) -> bool:
+        """Wait up to ``timeout`` s until no op is queued or running (the worker runs the
+        queued ones); with ``transfers_count``, until no thread drives the transport at
+        all. True if so. A thread that drives an engine itself would wait for itself:
+        it only learns whether the engine is settled now."""
+        def settled() -> bool:
+            return not self._queue and not (self._busy and (transfers_count or not self._moving_only))
+        if driving():
+            with self._mutex:
+                return settled()
+        end = time.monotonic() + timeout
+        with self._cv:
+            self._watchers += 1
+            try:
+                while not settled():
+                    if self._queue and not self._closed:
+                        self._wake_worker()
+                    remaining = end - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cv.wait(remaining)
+                return True
+            finally:
+                self._watchers -= 1
 
     def close(self, error: BaseException) -> None:
         """Fail queued ops with ``error`` and stop the worker."""

@@ -125,7 +125,7 @@ class Board:
         self.bells = [Doorbell(s.address + BELL_LINE * LINE) for s in self.segments]
         self.me = self.ctl[rank]
         self.peers = [j for j in range(size) if j != rank]
-        self._broken = False
+        self.broken = False
 
     # -- setup -------------------------------------------------------------------------
     def _bootstrap(self, store, timeout: float) -> None:
@@ -250,9 +250,9 @@ class Board:
 
     def publish_abort(self, reason: str) -> None:
         """Tell every peer this rank's group broke: reason first, then the negative counter."""
-        if self._broken:
+        if self.broken:
             return
-        self._broken = True
+        self.broken = True
         data = reason.encode("utf-8", "replace")[:_REASON_BYTES]
         start = (REASON_LINE + 1) * LINE
         self.segments[self.rank].buf[start:start + len(data)] = data

@@ -177,7 +177,11 @@ class Steps:
                 return
         pump = self.pump
 
+        board = self.board
+
         def ready() -> bool:
+            if board.broken:  # our own group broke under us (aborted from another thread)
+                raise board.aborted(self.rank)
             # A peer may be blocked sending us a message (a ring full of a P2P transfer
             # posted before this collective): keep the rings moving while we wait.
             if pump is not None:

@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-__all__ = ["on_worker_thread", "become_worker", "after_release", "hold", "let_go"]
+__all__ = ["on_worker_thread", "become_worker", "after_release", "driving", "hold", "let_go"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ class _CallbackThreads:
 #: How long an idle callback thread waits for more work before it exits.
 _CALLBACK_IDLE_S = 10.0
 _CALLBACK_THREADS = _CallbackThreads()
+
+
+def driving() -> bool:
+    """Whether the calling thread drives an engine now."""
+    return _thread_role.depth > 0
 
 
 def hold() -> None:

@@ -149,13 +149,21 @@ class HierarchicalBackend(ProcessGroupBackend):
         transfers = [comm.recv(peer, empty) for peer in peers] + [comm.send(peer, empty) for peer in peers]
         return lambda: comm.wait(*transfers)
 
+    def _parts(self) -> list[ProcessGroupBackend]:
+        """The flat group first: its ops (hierarchical ones included) use the others."""
+        return [backend for backend in (self.flat, self.local, self.leaders) if backend is not None]
+
     def shutdown(self) -> None:
-        for backend in (self.flat, self.local, self.leaders):
-            if backend is not None:
-                backend.shutdown()
+        for backend in self._parts():
+            backend.shutdown()
 
     def abort(self) -> None:
-        self.shutdown()
+        for backend in self._parts():
+            backend.abort()
+
+    def quiesce(self) -> None:
+        for backend in self._parts():
+            backend.quiesce()
 
 
 def _on_flat(op: str):

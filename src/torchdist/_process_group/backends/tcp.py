@@ -34,6 +34,7 @@ transport (shared memory) subclasses it and overrides ``_connect``.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from datetime import timedelta
@@ -60,6 +61,13 @@ __all__ = ["TcpBackend", "memo"]
 #: thread wake-up and the GIL hand-off it causes (measured: 0.1-1.5 ms on the loaded
 #: 2-core VM) cost more than the op itself.
 WAKE_BYTES = 256 << 10
+#: A caller driving its own P2P transfer looks this often (s) whether other ops were
+#: queued meanwhile, which it then leaves to the worker (see ``TcpBackend._help``).
+_DRIVE_SLICE_S = 0.02
+#: ``shutdown`` waits for the ops in flight up to the group's timeout plus this (s).
+_SETTLE_SLACK_S = 1.0
+#: How long closing waits for a thread told to leave the transport (s).
+_LEAVE_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +83,7 @@ class _OpWork(Work):
         self._deadline: float | None = None
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        if self._done.is_set():
+        if self._done.is_set() or self._settling == threading.get_ident():
             return super().wait()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         until = time.monotonic() + seconds if seconds else None
@@ -183,24 +191,32 @@ class TcpBackend(ProcessGroupBackend):
     def _help(self, work: _OpWork, until: float | None) -> None:
         """Called by ``Work.wait`` on the caller's thread: run or drive the op if we can.
 
-        A P2P transfer is driven until it is done or the wait's own limit ``until``
-        passes (then it stays posted and the worker drives it). A collective run here
-        runs to its end: stopping one midway would break the group."""
+        A collective run here runs to its end (stopping one midway would break the
+        group), so one waited on with a limit ``until`` goes to the worker instead,
+        and the wait gives up at ``until``. A P2P transfer is driven until it is done,
+        ``until`` passes, or another op is queued: a thread waiting for a message must
+        not keep the transport from the collectives other threads issue meanwhile (the
+        message may come only after one of them). Then the worker drives it."""
         op = work._engine_op
-        if op is not None and not op.started:
+        if op is not None and not op.started and until is None:
             self._engine.run_now(op)
         if work._done.is_set():
             return
         if work._transfer is None or not self._engine.drive(
-                lambda: work._done.is_set() or (until is not None and time.monotonic() >= until),
-                lambda: self._drive_p2p(work, until)):
+                lambda: work._done.is_set() or (until is not None and time.monotonic() >= until)
+                or self._engine.queued(),
+                lambda: self._drive_p2p(work, min(until or math.inf, time.monotonic() + _DRIVE_SLICE_S))):
             self._engine.kick()  # another thread drives, or ops are queued: the worker finishes it
 
     # -- failures ----------------------------------------------------------------------
     def _failure(self, exc: BaseException, op_name: str, seq: int | None,
                  seconds: float | None = None) -> BaseException:
         """Turn ``exc`` (raised on the driving thread) into the op's error; break the group.
-        ``seconds``: the op's timeout, if not the group's."""
+        ``seconds``: the op's timeout, if not the group's.
+
+        A ``KeyboardInterrupt`` stays the op's error, so that the program sees Ctrl-C as
+        Ctrl-C; the group breaks all the same (the op stopped midway) and the peers
+        learn that this rank was interrupted."""
         where = f"{op_name} (collective #{seq})" if seq is not None else op_name
         if isinstance(exc, PeerTimeout):
             names = [self.global_ranks[p] for p in exc.peers if p not in exc.joined]
@@ -219,12 +235,14 @@ class TcpBackend(ProcessGroupBackend):
         elif isinstance(exc, DistError):
             detail = str(exc).removeprefix(f"{self._label}: ")  # the transport's errors name the group too
             error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: {detail}")
+        elif isinstance(exc, KeyboardInterrupt):
+            error = DistBackendError(f"{self._label}: {where} was interrupted on {self._me()} (KeyboardInterrupt)")
         else:
             error = DistBackendError(f"{self._label}: {where} failed on {self._me()}: "
                                      f"{type(exc).__name__}: {exc}")
         error.__cause__ = exc
         self._break(error)
-        return error
+        return exc if isinstance(exc, KeyboardInterrupt) else error
 
     def _break(self, error: BaseException) -> None:
         first = self._broken is None
@@ -431,11 +449,29 @@ class TcpBackend(ProcessGroupBackend):
 
     # -- lifecycle ---------------------------------------------------------------------
     def shutdown(self) -> None:
-        error = DistBackendError(f"{self._label}: {self._me()} shut the group down")
+        """Let queued and running ops finish (within their timeouts: gloo's destructor,
+        too, waits for its queue), then close."""
+        self._engine.settle(self._seconds + _SETTLE_SLACK_S)
+        self._close(DistBackendError(f"{self._label}: {self._me()} shut the group down"))
+
+    def abort(self) -> None:
+        self._close(DistBackendError(f"{self._label}: {self._me()} aborted the group"))
+
+    def quiesce(self) -> None:
+        self._engine.settle(self._seconds + _SETTLE_SLACK_S)
+        self._engine.close(DistBackendError(f"{self._label}: {self._me()}: the process is exiting"))
+
+    def _close(self, error: DistBackendError) -> None:
+        """Fail what is queued, stop the worker, and release the transport once no thread
+        is inside it: a thread still there (waiting for a message, or in an op of its
+        own) is made to raise first. Shared memory unmapped under it would crash it."""
         if self._broken is None:
             self._broken = error
         self._engine.close(error)
+        if not self._engine.settle(0.0, transfers_count=True):
+            self._transport.fail(error)
+            if not self._engine.settle(_LEAVE_S, transfers_count=True):
+                logger.warning("%s: a thread is still inside the group's transport %.0f s after it was told to "
+                               "leave; its resources stay allocated until the process exits", self._label, _LEAVE_S)
+                return
         self._transport.close()
-
-    def abort(self) -> None:
-        self.shutdown()
