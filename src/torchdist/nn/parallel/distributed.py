@@ -61,7 +61,10 @@ class _DDPSink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        reducer = ctx.reducer_ref()
+        # A weak reference, unless torch.compile traced the forward: Dynamo hands
+        # ``apply`` the object the reference points to.
+        ref = ctx.reducer_ref
+        reducer = ref() if isinstance(ref, weakref.ref) else ref
         if reducer is not None:
             reducer.queue_finalize()
         return (None, *grads)
