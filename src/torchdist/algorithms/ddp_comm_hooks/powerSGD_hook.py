@@ -14,9 +14,13 @@ matrices that would not shrink by ``min_compression_rate`` are all-reduced
 uncompressed. Before ``start_powerSGD_iter`` the hook is a plain all-reduce,
 which lets training settle before compression starts (section 4 of the paper).
 
-The hooks chain their three collectives through futures without ever blocking
-inside a callback: each step issues the next collective and hands on its future
-(:func:`_then`), so the communication overlaps backward like DDP's own.
+The hooks issue their collectives themselves, on the thread that runs the hook,
+and wait there for the all-reduced P (a small tensor) before computing Q. PyTorch's
+hooks issue the next collective from the previous one's future callback instead,
+which races the next bucket's hook on the main thread: ranks then issue the two in
+different orders, and gloo hangs or pairs different collectives (measured: 4 runs
+of 4 with two buckets). Issued in the hook, the order is the same on every rank.
+Only the decompression runs in a future callback, and it issues nothing.
 ``batched_powerSGD_hook`` treats the whole bucket as one square matrix: fewer,
 larger operations, lower accuracy.
 """
@@ -25,7 +29,6 @@ import logging
 import math
 import random
 from collections import defaultdict
-from typing import Callable
 
 import torch
 
@@ -58,31 +61,6 @@ def _should_compress(num_rows: int, num_cols: int, rank: int, min_compression_ra
     uncompressed = num_rows * num_cols
     compressed = (num_rows + num_cols) * rank
     return compressed * min_compression_rate < uncompressed, uncompressed, compressed
-
-
-def _then(fut: torch.futures.Future, step: Callable) -> torch.futures.Future:
-    """A future for ``step(fut.value())``; if that returns a future, for that future's value."""
-    out: torch.futures.Future = torch.futures.Future()
-
-    def forward(done: torch.futures.Future) -> None:
-        try:
-            out.set_result(done.value())
-        except BaseException as exc:  # noqa: BLE001 - the error goes to whoever waits on ``out``
-            out.set_exception(exc)
-
-    def run(done: torch.futures.Future) -> None:
-        try:
-            result = step(done.value())
-        except BaseException as exc:  # noqa: BLE001
-            out.set_exception(exc)
-            return
-        if isinstance(result, torch._C.Future):
-            result.add_done_callback(forward)
-        else:
-            out.set_result(result)
-
-    fut.add_done_callback(run)
-    return out
 
 
 def _allreduce_future(tensor: torch.Tensor, group) -> torch.futures.Future:
@@ -245,22 +223,21 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     for batch, q, p in zip(batches, qs, ps):
         torch.bmm(batch, q, out=p)
 
-    def unpack_uncompressed_and_allreduce_ps(value: list[torch.Tensor]) -> torch.futures.Future:
-        reduced = value[0].div_(world_size)
+    # The uncompressed tensors and P go out together; Q needs the reduced P.
+    uncompressed_fut = _allreduce_future(flat_uncompressed, group)
+    _allreduce_future(state.p_memory_dict[index], group).wait()
+    for p in ps:
+        _orthogonalize(p, state.orthogonalization_epsilon)
+    for batch, p, q in zip(batches, ps, qs):
+        torch.bmm(batch.transpose(1, 2), p, out=q)
+    q_fut = _allreduce_future(state.q_memory_dict[index], group)
+
+    def decompress(_) -> torch.Tensor:
+        reduced = uncompressed_fut.value()[0].div_(world_size)
         at = 0
         for tensor in uncompressed:
             tensor.copy_(reduced[at:at + tensor.numel()].view_as(tensor))
             at += tensor.numel()
-        return _allreduce_future(state.p_memory_dict[index], group)
-
-    def compute_qs(value: list[torch.Tensor]) -> torch.futures.Future:
-        for p in ps:
-            _orthogonalize(p, state.orthogonalization_epsilon)
-        for batch, p, q in zip(batches, ps, qs):
-            torch.bmm(batch.transpose(1, 2), p, out=q)
-        return _allreduce_future(state.q_memory_dict[index], group)
-
-    def decompress(value: list[torch.Tensor]) -> torch.Tensor:
         state.q_memory_dict[index].div_(world_size)
         for p, q, batch in zip(ps, qs, batches):
             torch.bmm(p, q.transpose(1, 2), out=batch)
@@ -277,8 +254,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         state.maybe_increase_iter(bucket)
         return input_tensor
 
-    fut = _allreduce_future(flat_uncompressed, group)
-    return _then(_then(_then(fut, unpack_uncompressed_and_allreduce_ps), compute_qs), decompress)
+    return torch.futures.collect_all([uncompressed_fut, q_fut]).then(decompress)
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -307,13 +283,11 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     p, q = state.p_memory_dict[index], state.q_memory_dict[index]
     _orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
     torch.matmul(matrix, q, out=p)
+    _allreduce_future(p, group).wait()  # Q needs the reduced P (see the module docstring)
+    _orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
+    torch.matmul(matrix.t(), p, out=q)
 
-    def compute_q(value: list[torch.Tensor]) -> torch.futures.Future:
-        _orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
-        torch.matmul(matrix.t(), p, out=q)
-        return _allreduce_future(q, group)
-
-    def decompress(value: list[torch.Tensor]) -> torch.Tensor:
+    def decompress(_) -> torch.Tensor:
         q.div_(world_size)
         torch.matmul(p, q.t(), out=matrix)
         if padded_copy is not None:
@@ -325,4 +299,4 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
         state.maybe_increase_iter(bucket)
         return input_tensor
 
-    return _then(_then(_allreduce_future(p, group), compute_q), decompress)
+    return _allreduce_future(q, group).then(decompress)
