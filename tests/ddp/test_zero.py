@@ -88,13 +88,31 @@ def _groups_and_errors(rank, world_size):
         empty = None
     except ValueError as exc:
         empty = str(exc)
-    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}, not_consolidated, empty
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    bad = {}
+    for name, params, error in [("tensor", weight, TypeError), ("mixed", [weight, {"params": [weight]}], TypeError),
+                                ("no params key", [{"lr": 0.1}], ValueError),
+                                ("dtypes", [weight, torch.nn.Parameter(torch.ones(2, dtype=torch.float64))],
+                                 ValueError)]:
+        try:
+            ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+            bad[name] = None
+        except error as exc:
+            bad[name] = str(exc)
+    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}, not_consolidated, empty, bad
 
 
 def test_param_groups_show_the_optimizer_defaults_and_errors_are_pytorchs():
-    for rank, (group, not_consolidated, empty) in enumerate(run_ranks(_groups_and_errors, 2, backend="gloo")):
+    for rank, (group, not_consolidated, empty, bad) in enumerate(run_ranks(_groups_and_errors, 2, backend="gloo")):
         want = {k: v for k, v in torch.optim.SGD(build("mlp").parameters(), lr=0.1, momentum=0.9)
                 .param_groups[0].items() if k != "params"}
         assert group == want  # weight_decay, nesterov, ... as in PyTorch, not only what was passed
         assert f"consolidate_state_dict(to={rank})" in not_consolidated
         assert empty == "ZeroRedundancyOptimizer got an empty parameter list"
+        assert bad == {  # PyTorch's exception types and messages
+            "tensor": "`params` argument should be an iterable of Tensors, but got torch.FloatTensor",
+            "mixed": "`params` argument should be an iterable of Tensors or dicts",
+            "no params key": "Each parameter group passed-in via `params` must have a 'params' key mapping to the "
+                             "parameters in the group",
+            "dtypes": "ZeroRedundancyOptimizer only supports using the same dense type for all parameters but got "
+                      "both torch.FloatTensor and torch.DoubleTensor"}

@@ -48,6 +48,40 @@ class _ZeROJoinHook(JoinHook):
         self.zero.step()
 
 
+def _checked_params(params) -> list:
+    """``params`` as a list, with PyTorch's errors: a bare tensor or a non-iterable is a
+    TypeError; an empty list, sparse parameters or parameters of different dense types
+    (a shard's flat buckets need one) a ValueError."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
+    try:
+        params = list(params)
+    except TypeError as exc:
+        raise TypeError("`params` argument should be an iterable of Tensors or dicts, but got "
+                        f"{torch.typename(params)}") from exc
+    if not params:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(entry, torch.Tensor) for entry in params):
+        tensors = params
+    elif all(isinstance(entry, dict) for entry in params):
+        if any("params" not in group for group in params):
+            raise ValueError("Each parameter group passed-in via `params` must have a 'params' key mapping to the "
+                             "parameters in the group")
+        tensors = [t for group in params for t in (group["params"] if not isinstance(group["params"], torch.Tensor)
+                                                  else [group["params"]])]
+    else:
+        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+    first = torch.typename(tensors[0]) if tensors else None
+    if tensors and tensors[0].is_sparse:
+        raise ValueError(f"ZeroRedundancyOptimizer only supports using the same dense type for all parameters but "
+                         f"got {first}")
+    for tensor in tensors[1:]:
+        if torch.typename(tensor) != first:
+            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for all parameters "
+                             f"but got both {first} and {torch.typename(tensor)}")
+    return params
+
+
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wraps ``optimizer_class`` so that each rank holds the state of its share of ``params`` only."""
 
@@ -68,9 +102,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sizes = [0] * self.world_size
         self._rank_of: dict[int, int] = {}  # id(param) -> owning rank
         self._all_state_dicts: list[dict] = []
-        params = list(params)
-        if not params:
-            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        params = _checked_params(params)
         Optimizer.__init__(self, params, defaults)  # calls add_param_group for each group
         Joinable.__init__(self)
         self.optim = optimizer_class(self._local_groups(), **defaults)
