@@ -200,3 +200,23 @@ def test_coalesced_ops_complete_and_return_futures_as_pytorch(backend: str) -> N
     for gathered, nested, reduced in run_ranks(_coalesced, world, backend=backend, timeout=60):
         assert gathered == nested == want
         assert reduced == [[3.0], [3.0] * 3]
+
+
+def _irecv_after_the_message_arrived(rank: int, world: int, numel: int):
+    """Rank 1's message is in rank 0's socket (or ring) before rank 0 posts its irecv."""
+    if rank == 1:
+        dist.isend(torch.full((numel,), 7.0), dst=0).wait()
+        return None
+    time.sleep(0.5)
+    got = torch.zeros(numel)
+    dist.irecv(got, src=1).wait()
+    return got[0].item(), got[-1].item()
+
+
+@pytest.mark.parametrize("numel", [4, 1 << 20])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_irecv_posted_after_its_message_arrived_completes(backend: str, numel: int) -> None:
+    # tcp: the receive matched a message half read at once, so the transport had no
+    # *posted* receive left, and the worker slept while the rest sat in the socket.
+    assert run_ranks(_irecv_after_the_message_arrived, 2, args=(numel,), backend=backend,
+                     timeout=60)[0] == (7.0, 7.0)

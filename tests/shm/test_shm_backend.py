@@ -189,6 +189,39 @@ def test_sigkilled_rank_is_noticed_within_seconds_and_leaks_nothing(size: int) -
     assert _ours() <= before, _ours() - before
 
 
+def _killed_while_received_from(rank: int, world: int, how: str) -> tuple[str, float]:
+    """The last rank SIGKILLs itself while rank 0 waits for it in a receive or a
+    monitored barrier (the others, if any, wait in the barrier too)."""
+    torchdist.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)  # the others are waiting by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        if how == "monitored_barrier":
+            torchdist.monitored_barrier()
+        else:
+            torchdist.recv(torch.empty(4), src=None if how == "recv(any)" else world - 1)
+    except DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("no error after a peer was killed")
+
+
+@pytest.mark.parametrize("how, world", [("recv", 2), ("recv(any)", 2), ("monitored_barrier", 3)])
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_a_rank_killed_while_received_from_is_noticed_within_seconds(backend: str, how: str, world: int) -> None:
+    # Only a transfer naming the dead rank looked at its liveness: a receive from any
+    # source, and a receive sliced into short waits (a blocking recv, monitored_barrier's
+    # receives), waited for the group's whole timeout.
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_killed_while_received_from, world, args=(how,), backend=backend, timeout=60)
+    assert info.value.failed_ranks == [world - 1]
+    message, elapsed = info.value.outcomes[0].result
+    assert elapsed < 5, (elapsed, message)
+    assert f"rank {world - 1}" in message or f"ranks [{world - 1}]" in message, message
+    assert "gone" in message, message
+
+
 # -- auto: one host, several hosts -----------------------------------------------------------
 def _kind_of_backend(rank: int, world: int) -> str:
     return type(torchdist.group.WORLD.backend).__name__

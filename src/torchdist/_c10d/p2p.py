@@ -169,19 +169,23 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     deadline = time.monotonic() + seconds
     pending = {peer: backend.recv(torch.zeros(1, dtype=torch.uint8), peer, _MONITORED_BARRIER_TAG)
                for peer in range(1, pg.size())}
-    missing = []
+    missing, causes = [], []
     for peer, work in pending.items():
         try:
             work.wait(max(deadline - time.monotonic(), 1e-3))
         except DistBackendError:
             missing.append(pg.global_ranks[peer])
+            if work.exception() is not None:  # not only late: the receive failed (a dead rank)
+                causes.append(work.exception())
             if not wait_all_ranks:
                 break
     if missing:
         ms = int(seconds * 1000)
+        # PyTorch's words, then why, where a receive failed rather than timed out
+        why = f" ({causes[0]})" if causes else ""
         if wait_all_ranks:
             names = ", ".join(map(str, missing))
-            raise DistBackendError(f"Ranks {names} failed to pass monitoredBarrier in {ms} ms")
-        raise DistBackendError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms")
+            raise DistBackendError(f"Ranks {names} failed to pass monitoredBarrier in {ms} ms{why}")
+        raise DistBackendError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms{why}")
     for peer in range(1, pg.size()):
         backend.send(token, peer, _MONITORED_BARRIER_ACK_TAG).wait()

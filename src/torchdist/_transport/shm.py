@@ -37,7 +37,7 @@ import os
 from collections import deque
 from typing import Callable, Iterable
 
-from ..errors import DistBackendError
+from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout, Transfer, Transport
 from .framing import HEADER, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early
@@ -204,8 +204,7 @@ class ShmTransport(Transport):
 
         try:
             if not ready():
-                self.board.idle(ready, deadline, lambda: sorted(
-                    {t.peer for t in transfers if not t.done and t.peer is not None}), yields=True)
+                self.board.idle(ready, deadline, lambda: self._owing(transfers), yields=True)
         except (PeerTimeout, DistBackendError) as exc:
             if not isinstance(exc, PeerTimeout):
                 self.fail(exc)
@@ -237,9 +236,29 @@ class ShmTransport(Transport):
             self.fail(exc)
 
     def _waiting_peers(self) -> list[int]:
-        peers = {t.peer for queue in self._matcher.coll_posted for t in queue}
-        peers |= {t.peer for t in self._matcher.p2p_posted if t.peer is not None}
+        transfers = [t for queue in self._matcher.coll_posted for t in queue] + self._matcher.p2p_posted
+        peers = set(self._owing(transfers))
         peers |= {o.peer for o in self._out if o is not None and o.sendq}
+        return sorted(peers)
+
+    def _owing(self, transfers: list[Transfer]) -> list[int]:
+        """The peers that pending ``transfers`` wait on, for liveness checks and timeouts.
+
+        An any-source receive waits on every peer still alive; once none is, it can
+        never complete, and this raises (a peer's death is otherwise seen only by a
+        transfer naming it)."""
+        pending = [t for t in transfers if not t.done]
+        peers = {t.peer for t in pending if t.peer is not None}
+        if any(t.peer is None for t in pending):
+            board = self.board
+            alive = [j for j in board.peers if board.segments[j].owner_alive()]
+            if not alive:
+                names = [self.names[j] for j in board.peers]
+                raise DistNetworkError(
+                    f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: "
+                    f"it lost every peer, ranks {names} (their processes are gone). They most likely died or "
+                    "exited; see their logs for the cause.")
+            peers.update(alive)
         return sorted(peers)
 
     def interrupt(self) -> None:

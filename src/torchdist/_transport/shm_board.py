@@ -206,6 +206,7 @@ class Board:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 peers = waiting_on()
+                self.check_alive(peers)  # a dead peer, not a slow one, if it is gone
                 raise PeerTimeout(f"{self.label}: timed out waiting for ranks "
                                   f"{[self.names[p] for p in peers]}", peers)
             if now >= next_check:

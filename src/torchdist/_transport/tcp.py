@@ -263,7 +263,11 @@ class TcpTransport(Transport):
             pass  # already pending, or closed
 
     def pending(self) -> bool:
-        return self._matcher.pending() or any(c is not None and c.sendq for c in self._channels)
+        """Posted receives, queued sends, or a message half read: its receive is matched,
+        so no longer "posted", but its bytes still stream in (an ``irecv`` posted after
+        its message began to arrive)."""
+        return self._matcher.pending() or any(c is not None and (c.sendq or c.target is not None)
+                                              for c in self._channels)
 
     # -- sending -----------------------------------------------------------------------
     def _push(self, channel: _Channel) -> None:
