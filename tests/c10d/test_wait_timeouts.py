@@ -66,3 +66,23 @@ def test_barrier_timeout_names_the_rank_that_did_not_arrive(backend: str) -> Non
         assert elapsed < 1.5
     late_message, _ = results[2]
     assert late_message is None or "barrier" in late_message
+
+
+def _stalled_any_source(rank: int, world: int, backend: str):
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=1.5))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)
+        return None
+    try:
+        dist.recv(torch.zeros(2), src=None)
+    except DistBackendError as exc:
+        return str(exc)
+    return "received"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_any_source_receive_timeout_names_the_peers_it_waited_on(backend: str) -> None:
+    # The message named "ranks []": an any-source receive names no peer of its own.
+    message = run_ranks(_stalled_any_source, 2, args=(backend,), timeout=60)[0]
+    assert "timed out" in message and "ranks [1]" in message, message

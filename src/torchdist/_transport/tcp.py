@@ -207,7 +207,10 @@ class TcpTransport(Transport):
         """The peers of unfinished ``transfers``, and those of them that sent us a message
         of the transfer's collective (or a later one): they joined it."""
         pending = [t for t in transfers if not t.done and t.peer is not None]
-        peers = sorted({t.peer for t in pending})
+        peers = {t.peer for t in pending}
+        if any(not t.done and t.peer is None for t in transfers):  # any source: every peer still there
+            peers.update(c.peer for c in self._channels if c is not None and c.alive)
+        peers = sorted(peers)
         joined = sorted({t.peer for t in pending
                          if t.kind is MsgKind.COLL and self._channels[t.peer].heard_seq >= t.seq})
         return peers, joined
