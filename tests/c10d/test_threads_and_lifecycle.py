@@ -175,21 +175,50 @@ print("leaving", flush=True)
 """
 
 
+_EXIT_WITH_A_CALLBACK_RUNNING = """
+import time, torch, torchdist as dist
+dist.init_process_group({backend!r})
+if dist.get_rank() == 1:
+    time.sleep(0.3)  # rank 0's op completes on its worker: the callback runs on a callback thread
+big = torch.randn(600, 600)
+
+def callback(future):
+    for _ in range(40):  # torch code, still running when the main thread exits
+        torch.mm(big, big)
+    print("callback done", flush=True)
+dist.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+dist.destroy_process_group()
+print("leaving", flush=True)
+"""
+
+
+def _run_two_ranks(script: str) -> list[tuple[int, str]]:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_exit_with_an_async_op_never_waited_on_is_clean(backend: str) -> None:
     for _ in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, "-c", _EXIT_WITH_ASYNC_WORK.format(backend=backend)],
-                                  env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for rank in range(2)]
-        try:
-            outputs = [proc.communicate(timeout=60)[0] for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
-        for proc, output in zip(procs, outputs):
-            assert proc.returncode == 0 and "leaving" in output, output
+        for returncode, output in _run_two_ranks(_EXIT_WITH_ASYNC_WORK.format(backend=backend)):
+            assert returncode == 0 and "leaving" in output, output
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_exit_waits_for_a_future_callback_still_running(backend: str) -> None:
+    # A daemon thread inside torch code when the interpreter finalizes aborts the
+    # process ("terminate called without an active exception").
+    for returncode, output in _run_two_ranks(_EXIT_WITH_A_CALLBACK_RUNNING.format(backend=backend)):
+        assert returncode == 0 and "callback done" in output and "leaving" in output, output
 
 
 def _interrupted(rank: int, world: int):

@@ -16,6 +16,7 @@ from .._store.file_store import FileStore
 from .._store.tcp_store import TCPStore
 from .._store.prefix_store import PrefixStore
 from .._store.rendezvous import rendezvous
+from .._transport.thread_roles import settle_callbacks
 from ..errors import DistStoreError
 from ._args import check_timeout
 from .groups import build_group
@@ -190,16 +191,23 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     WORLD.unregister(pg)
 
 
+#: How long the interpreter's exit waits for future callbacks still running (s).
+_EXIT_CALLBACKS_S = 10.0
+
+
 @atexit.register
 def _quiesce_at_exit() -> None:
     """Finish every live group's outstanding ops and stop its threads before the
     interpreter finalizes (an async op never waited on still runs; gloo finishes
-    them too). Groups the program destroyed are gone from the registry already."""
+    them too), and let running future callbacks return. Groups the program
+    destroyed are gone from the registry already."""
     for pg in list(WORLD.groups.values()):
         try:
             pg._backend.quiesce()
         except Exception:  # noqa: BLE001 - never fail an exit
             logger.debug("quiescing %r at exit failed", pg, exc_info=True)
+    if not settle_callbacks(_EXIT_CALLBACKS_S):
+        logger.warning("a future callback was still running %.0f s into the interpreter's exit", _EXIT_CALLBACKS_S)
 
 
 def _tear_down() -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
-__all__ = ["on_worker_thread", "become_worker", "after_release", "driving", "hold", "let_go"]
+__all__ = ["on_worker_thread", "become_worker", "after_release", "settle_callbacks", "driving", "hold", "let_go"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class _CallbackThreads:
         self._tasks: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
         self._idle = 0
+        self._running = 0
 
     def run(self, fn: Callable[[], None]) -> None:
         with self._cv:
@@ -99,7 +101,24 @@ class _CallbackThreads:
                         return
                 self._idle -= 1
                 fn = self._tasks.popleft()
-            _call(fn)
+                self._running += 1
+            try:
+                _call(fn)
+            finally:
+                with self._cv:
+                    self._running -= 1
+                    self._cv.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no callback runs or waits to run; True if so."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._tasks or self._running:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
 
 
 #: How long an idle callback thread waits for more work before it exits.
@@ -110,6 +129,13 @@ _CALLBACK_THREADS = _CallbackThreads()
 def driving() -> bool:
     """Whether the calling thread drives an engine now."""
     return _thread_role.depth > 0
+
+
+def settle_callbacks(timeout: float) -> bool:
+    """Wait until no callback thread runs a callback (at interpreter exit: a daemon
+    thread still inside torch code while the interpreter finalizes aborts the process;
+    a callback may finish only just after the future its caller waited on)."""
+    return _CALLBACK_THREADS.settle(timeout)
 
 
 def hold() -> None:
