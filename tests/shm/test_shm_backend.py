@@ -326,8 +326,15 @@ def _shm_across_hosts(rank: int, world: int) -> str:
     try:
         ShmBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=10), group_name="pg")
     except DistBackendError as exc:
-        return str(exc)
-    raise AssertionError("shm accepted ranks on two hosts")
+        message = str(exc)
+    else:
+        raise AssertionError("shm accepted ranks on two hosts")
+    # The store lives in rank 0's process: it stays until every rank is done with it
+    # (rank 0 can fail first and exit while rank 1 still reads the host keys).
+    store.add("finished", 1)
+    while rank == 0 and store.add("finished", 0) < world:
+        time.sleep(0.01)
+    return message
 
 
 def test_shm_across_hosts_is_a_clear_error_naming_them() -> None:

@@ -11,12 +11,12 @@ from datetime import timedelta
 
 from .._process_group.process_group import ProcessGroup
 from .._process_group.registry import Backend
+from .._process_group.work import settle_future_callbacks
 from .._store.base import Store
 from .._store.file_store import FileStore
 from .._store.tcp_store import TCPStore
 from .._store.prefix_store import PrefixStore
 from .._store.rendezvous import rendezvous
-from .._transport.thread_roles import settle_callbacks
 from ..errors import DistStoreError
 from ._args import check_timeout
 from .groups import build_group
@@ -206,7 +206,7 @@ def _quiesce_at_exit() -> None:
             pg._backend.quiesce()
         except Exception:  # noqa: BLE001 - never fail an exit
             logger.debug("quiescing %r at exit failed", pg, exc_info=True)
-    if not settle_callbacks(_EXIT_CALLBACKS_S):
+    if not settle_future_callbacks(_EXIT_CALLBACKS_S):
         logger.warning("a future callback was still running %.0f s into the interpreter's exit", _EXIT_CALLBACKS_S)
 
 

@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from .._transport.thread_roles import after_release
+from .._transport.thread_roles import after_release, settle_callbacks
 from ..errors import DistBackendError
 
-__all__ = ["Work", "WorkState"]
+__all__ = ["Work", "WorkState", "settle_future_callbacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,12 @@ class _CompletedWork(Work):
     def __init__(self, op_name: str, outputs: list[torch.Tensor] | None = None) -> None:
         self.op_name = op_name
         self._outputs = outputs if outputs is not None else []
+
+
+def settle_future_callbacks(timeout: float) -> bool:
+    """Wait up to ``timeout`` s until no Work's future callback is running; True if so
+    (see ``thread_roles.settle_callbacks``: the interpreter's exit needs it)."""
+    return settle_callbacks(timeout)
 
 
 def _resolve_future(work: Work) -> None:

@@ -102,6 +102,7 @@ class TcpTransport(Transport):
         self._error: BaseException | None = None
         self._matcher = Matcher(size)
         self._op_seq, self._op_start = -1, 0.0  # the latest collective waited on, since when
+        self._sweeping = False  # inside _read_the_others
         self._channels: list[_Channel | None] = [None] * size
         self._by_fd: dict[int, _Channel] = {}
         self._poller = select.poll()
@@ -382,10 +383,27 @@ class TcpTransport(Transport):
         if target.nbytes == 0:
             self._advance(channel, 0)
 
+    def _read_the_others(self, aborter: int) -> None:
+        """Before an ABORT from ``aborter`` breaks us: read what the other peers have
+        already sent. The bytes that finish the current op may sit in another socket,
+        and an op whose transfers all finish succeeds (the break is the next op's
+        error, see ``wait``); failing it instead made one rank fail an op that every
+        other rank completed. No nesting: an ABORT read here breaks us at once."""
+        if self._sweeping:
+            return
+        self._sweeping = True
+        try:
+            for channel in self._channels:
+                if channel is not None and channel.peer != aborter and channel.alive:
+                    self._read(channel)
+        finally:
+            self._sweeping = False
+
     def _early_done(self, peer: int, header: tuple) -> Callable[[Transfer], None]:
         def done(transfer: Transfer) -> None:
             if header[KIND] == MsgKind.ABORT:
                 reason = bytes(transfer.view).decode("utf-8", "replace")
+                self._read_the_others(peer)
                 self.fail(DistBackendError(f"{self.label}: rank {self.names[self.rank]}: the group was "
                                            f"aborted by rank {self.names[peer]}: {reason}"), notify=False)
                 return

@@ -467,11 +467,11 @@ class TcpBackend(ProcessGroupBackend):
         own) is made to raise first. Shared memory unmapped under it would crash it."""
         if self._broken is None:
             self._broken = error
-        self._engine.close(error)
         if not self._engine.settle(0.0, transfers_count=True):
-            self._transport.fail(error)
-            if not self._engine.settle(_LEAVE_S, transfers_count=True):
-                logger.warning("%s: a thread is still inside the group's transport %.0f s after it was told to "
-                               "leave; its resources stay allocated until the process exits", self._label, _LEAVE_S)
-                return
+            self._transport.fail(error)  # the thread inside raises (and the peers hear why)
+        self._engine.close(error)
+        if not self._engine.settle(_LEAVE_S, transfers_count=True):
+            logger.warning("%s: a thread is still inside the group's transport %.0f s after it was told to "
+                           "leave; its resources stay allocated until the process exits", self._label, _LEAVE_S)
+            return
         self._transport.close()
