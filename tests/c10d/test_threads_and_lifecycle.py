@@ -244,3 +244,28 @@ def test_ctrl_c_in_a_collective_is_a_keyboard_interrupt_and_the_peers_hear_of_it
     peer, interrupted = run_ranks(_init_then, 2, args=(backend, _interrupted), timeout=60)
     assert interrupted == "KeyboardInterrupt"
     assert "interrupted on rank 1 (KeyboardInterrupt)" in peer, peer
+
+
+_FORKED_CHILD_EXITS = """
+import os, sys, time, torch, torchdist as dist
+dist.init_process_group({backend!r})
+work = dist.all_reduce(torch.ones(1 << 18), async_op=True)
+work.get_future().then(lambda _: time.sleep(0.5))  # a callback may be running at the fork
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # runs the exit handlers, as a child's normal exit does
+start = time.monotonic()
+_, status = os.waitpid(pid, 0)
+work.wait()
+print("child", os.waitstatus_to_exitcode(status), "quick" if time.monotonic() - start < 5 else "slow", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_forked_child_exits_at_once(backend: str) -> None:
+    # A forked child (a DataLoader worker, a helper process) that exits normally runs the
+    # exit handlers on its copies of the groups and callback threads, whose ops and
+    # callbacks are the parent's: waiting for them, it would wait for ever.
+    for returncode, output in _run_two_ranks(_FORKED_CHILD_EXITS.format(backend=backend)):
+        assert returncode == 0 and "child 0 quick" in output, output

@@ -175,9 +175,7 @@ class Steps:
             os.sched_yield()
             if self._lagging(g) is None:
                 return
-        pump = self.pump
-
-        board = self.board
+        pump, board = self.pump, self.board
 
         def ready() -> bool:
             if board.broken:  # our own group broke under us (aborted from another thread)

@@ -11,6 +11,7 @@ lets go of the engine, or on a callback thread when the worker completed the op.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -78,6 +79,11 @@ class _CallbackThreads:
     others. Daemons, unlike ``ThreadPoolExecutor``'s, never keep a process from exiting."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No threads and no tasks (also a forked child's state: it has none of the
+        parent's threads, and its copy of the lock may be held)."""
         self._tasks: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
         self._idle = 0
@@ -124,6 +130,7 @@ class _CallbackThreads:
 #: How long an idle callback thread waits for more work before it exits.
 _CALLBACK_IDLE_S = 10.0
 _CALLBACK_THREADS = _CallbackThreads()
+os.register_at_fork(after_in_child=_CALLBACK_THREADS.reset)
 
 
 def driving() -> bool:

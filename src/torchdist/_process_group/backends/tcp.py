@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from datetime import timedelta
@@ -127,6 +128,7 @@ class TcpBackend(ProcessGroupBackend):
         super().__init__(store, rank, size, timeout, group_name, global_ranks)
         self._label = f"process group {group_name!r}" if group_name else "process group"
         self._seconds = timeout.total_seconds()
+        self._pid = os.getpid()  # (see quiesce)
         self._transport = transport if transport is not None else self._connect()
         self._engine = Engine(self._transport, self._label, idle_step=self._idle_step)
         self.seq = 0  # collectives issued so far: equal on all ranks that kept in step
@@ -458,6 +460,8 @@ class TcpBackend(ProcessGroupBackend):
         self._close(DistBackendError(f"{self._label}: {self._me()} aborted the group"))
 
     def quiesce(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the ops and threads are the parent's
         self._engine.settle(self._seconds + _SETTLE_SLACK_S)
         self._engine.close(DistBackendError(f"{self._label}: {self._me()}: the process is exiting"))
 
