@@ -7,7 +7,10 @@
 - ``wait(timeout)`` gives up at the timeout, and the op goes on;
 - ``destroy_process_group`` lets ops in flight finish, whether queued (async) or
   running on another thread; it never pulls memory from under them;
-- a process that exits with an async op it never waited on exits cleanly.
+- a process that exits with an async op it never waited on, or while a future
+  callback still runs, exits cleanly; so does a forked child;
+- Ctrl-C inside a collective is a ``KeyboardInterrupt`` (gloo delivers it once its
+  C++ op returns; here the op stops, the group breaks and the peers are told).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import torch
 
 import torchdist as dist
 from torchdist.testing import free_port, run_ranks
-
 
 BACKENDS = ["tcp", "shm", "auto"]
 
