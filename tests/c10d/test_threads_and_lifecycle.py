@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -197,13 +198,18 @@ print("leaving", flush=True)
 def _run_two_ranks(script: str) -> list[tuple[int, str]]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                OMP_NUM_THREADS="1")
+    # Each rank leads a session of its own, so that processes it forked die with it.
     procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in range(2)]
     try:
         outputs = [proc.communicate(timeout=60)[0] for proc in procs]
     finally:
         for proc in procs:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
     return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
 
@@ -225,7 +231,6 @@ def test_exit_waits_for_a_future_callback_still_running(backend: str) -> None:
 
 def _interrupted(rank: int, world: int):
     """Rank 1 gets Ctrl-C (SIGINT) while it waits in an all-reduce that rank 0 joins late."""
-    import signal
     dist.barrier()
     if rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
