@@ -99,6 +99,10 @@ def _groups_and_errors(rank, world_size):
             bad[name] = None
         except error as exc:
             bad[name] = str(exc)
+    # groups whose params are generators keep every parameter
+    grouped = ZeroRedundancyOptimizer([{"params": (p for p in build("mlp").parameters()), "lr": 0.2}],
+                                      torch.optim.SGD, lr=0.1)
+    bad["generator group"] = sum(len(g["params"]) for g in grouped.param_groups)
     return {k: v for k, v in opt.param_groups[0].items() if k != "params"}, not_consolidated, empty, bad
 
 
@@ -115,4 +119,5 @@ def test_param_groups_show_the_optimizer_defaults_and_errors_are_pytorchs():
             "no params key": "Each parameter group passed-in via `params` must have a 'params' key mapping to the "
                              "parameters in the group",
             "dtypes": "ZeroRedundancyOptimizer only supports using the same dense type for all parameters but got "
-                      "both torch.FloatTensor and torch.DoubleTensor"}
+                      "both torch.FloatTensor and torch.DoubleTensor",
+            "generator group": len(list(build("mlp").parameters()))}

@@ -67,12 +67,16 @@ def _checked_params(params) -> list:
         if any("params" not in group for group in params):
             raise ValueError("Each parameter group passed-in via `params` must have a 'params' key mapping to the "
                              "parameters in the group")
-        tensors = [t for group in params for t in (group["params"] if not isinstance(group["params"], torch.Tensor)
-                                                  else [group["params"]])]
+        # each group's params as a list: a generator read here would be empty for the Optimizer
+        params = [{**group, "params": [group["params"]] if isinstance(group["params"], torch.Tensor)
+                   else list(group["params"])} for group in params]
+        tensors = [t for group in params for t in group["params"]]
     else:
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    first = torch.typename(tensors[0]) if tensors else None
-    if tensors and tensors[0].is_sparse:
+    if not tensors:
+        return params
+    first = torch.typename(tensors[0])
+    if tensors[0].is_sparse:
         raise ValueError(f"ZeroRedundancyOptimizer only supports using the same dense type for all parameters but "
                          f"got {first}")
     for tensor in tensors[1:]:
