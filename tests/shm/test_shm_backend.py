@@ -274,6 +274,50 @@ def test_simulated_two_hosts_take_the_hierarchical_path() -> None:
             assert torch.equal(a, b)
 
 
+def _p2p_beside_hierarchical_allreduce(rank: int, world: int, when: str) -> float:
+    """Two simulated hosts {0, 1} and {2, 3}. Rank 3 sends rank 2 (its host's leader) 8 MiB,
+    more than the sockets buffer, and all-reduces asynchronously; rank 2 takes the message
+    before it joins the all-reduce. ``before``: the send is posted first; ``during``: after
+    the all-reduce, whose op then waits in the host's reduce for rank 2. Either way rank 3's
+    send must keep moving while its all-reduce waits in a sub-group, as gloo's does."""
+    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
+    torch.set_num_threads(1)
+    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                               timeout=timedelta(seconds=60))
+    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=20), group_name="pg")
+    assert isinstance(backend, HierarchicalBackend)
+    message = torch.arange(8 << 20, dtype=torch.uint8)
+    x = torch.full((1000,), float(rank))
+    start = time.monotonic()
+    if rank == 3:
+        if when == "before":
+            sent = backend.send(message, 2, 7, async_op=True)
+            reduced = backend.allreduce([x], ReduceOp.SUM, async_op=True)
+        else:
+            reduced = backend.allreduce([x], ReduceOp.SUM, async_op=True)
+            time.sleep(0.5)  # the all-reduce is waiting in the host's reduce by now
+            sent = backend.send(message, 2, 7, async_op=True)
+        sent.wait()
+        reduced.wait()
+    elif rank == 2:
+        received = torch.zeros_like(message)
+        backend.recv(received, 3, 7, async_op=True).wait()
+        assert torch.equal(received, message)
+        backend.allreduce([x], ReduceOp.SUM).wait()
+    else:
+        backend.allreduce([x], ReduceOp.SUM).wait()
+    assert x.tolist() == [6.0] * 1000
+    elapsed = time.monotonic() - start
+    backend.shutdown()
+    return elapsed
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_point_to_point_moves_while_a_hierarchical_allreduce_waits(when: str) -> None:
+    for rank, elapsed in enumerate(run_ranks(_p2p_beside_hierarchical_allreduce, 4, args=(when,), timeout=90)):
+        assert elapsed < 10, (rank, elapsed)
+
+
 def _hierarchical_failure(rank: int, world: int, case: str) -> tuple[str, float]:
     """Two simulated hosts {0, 1} and {2, 3}. ``dies``: rank 3 exits in the middle of an
     all-reduce; ``mismatch``: rank 2 calls broadcast where the others all-reduce. The

@@ -34,7 +34,10 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError
 from .framing import HEADER, MsgKind, OpFingerprint, wire_key
 
-__all__ = ["Transfer", "Transport", "PeerTimeout", "EMPTY"]
+__all__ = ["Transfer", "Transport", "PeerTimeout", "EMPTY", "COMPANION_SLICE_S"]
+
+#: The longest a wait blocks between calls of its transport's ``companion`` (s).
+COMPANION_SLICE_S = 0.002
 
 #: The payload of a zero-byte message.
 # Writable although empty: receiving into it assigns a zero-length slice, which a
@@ -108,6 +111,11 @@ class Transport(abc.ABC):
     #: Set from another thread (see ``Engine.post``) to have the driving thread call it
     #: at its next poll, before moving data; the callee clears it.
     on_poll: Callable[[], None] | None = None
+    #: Set by a composite backend on its sub-groups' transports
+    #: (``backends.auto.HierarchicalBackend``): called on the driving thread at every round
+    #: of a blocking ``wait``, which then blocks at most ``COMPANION_SLICE_S`` at a time, so
+    #: that another transport, whose op is the one waiting here, keeps moving meanwhile.
+    companion: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,

@@ -38,10 +38,10 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import PeerTimeout, Transfer, Transport
+from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport
 from .framing import HEADER, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early
-from .shm_board import Board
+from .shm_board import BLOCK_S, Board
 from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
 
@@ -111,6 +111,7 @@ class ShmTransport(Transport):
             self._in[peer] = _In(board, peer)
         self._wake: set[int] = set()
         self.steps.pump = self._pump
+        self._companion: Callable[[], None] | None = None
         # pending() is asked after every collective; these let it answer "no" without
         # looking at every queue while no transfer was posted or started streaming in
         # since it last found none. Bumped by the driving thread *after* it queues, so
@@ -119,7 +120,20 @@ class ShmTransport(Transport):
         self._activity = 0
         self._quiet_at = -1
 
+    @property
+    def companion(self) -> Callable[[], None] | None:
+        return self._companion
+
+    @companion.setter
+    def companion(self, fn: Callable[[], None] | None) -> None:
+        """See ``Transport.companion``: set, it also shortens the naps on the doorbell."""
+        self._companion = fn
+        self.board.block_s = BLOCK_S if fn is None else COMPANION_SLICE_S
+
     def _pump(self) -> None:
+        """Called by the step protocol while it blocks (``Steps.pump``)."""
+        if self._companion is not None:
+            self._companion()
         if self.on_poll is not None:
             self.on_poll()
         if self._error is None and self.pending():
@@ -196,6 +210,8 @@ class ShmTransport(Transport):
         def ready() -> bool:
             if self._error is not None:
                 return True
+            if self._companion is not None:
+                self._companion()
             self._step()
             if self._error is None and not all(t.done for t in transfers):
                 self.board.check_aborts()

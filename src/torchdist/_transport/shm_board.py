@@ -48,7 +48,7 @@ from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout
 from .shm_segment import Doorbell, Segment, clean_stale_segments, fence
 
-__all__ = ["Board", "Layout", "STEP", "DIGEST", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
+__all__ = ["Board", "Layout", "BLOCK_S", "STEP", "DIGEST", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,9 @@ _PAGE = 4096
 #: on a loaded machine the peer we wait for may need our core (measured: 1 ms of
 #: polling made a small P2P ping-pong 1.1 ms per message at load 5, against ~0.1 ms).
 POLL_S = float(os.environ.get("TORCHDIST_SHM_POLL_US", "50")) * 1e-6
-#: Longest single sleep on the doorbell: bounds how late a deadline or a death is seen.
-_BLOCK_S = 0.05
+#: Longest single sleep on the doorbell: bounds how late a deadline or a death is seen
+#: (``Board.block_s``, shorter while a transport has a companion).
+BLOCK_S = 0.05
 #: How often a blocked waiter checks that the peers it waits for are alive (s).
 LIVENESS_S = 0.1
 
@@ -126,6 +127,7 @@ class Board:
         self.me = self.ctl[rank]
         self.peers = [j for j in range(size) if j != rank]
         self.broken = False
+        self.block_s = BLOCK_S
 
     # -- setup -------------------------------------------------------------------------
     def _bootstrap(self, store, timeout: float) -> None:
@@ -197,7 +199,7 @@ class Board:
                 me[SLEEP * _Q] = 0
                 return
             now = time.monotonic()
-            nap = _BLOCK_S if deadline is None else min(_BLOCK_S, deadline - now)
+            nap = self.block_s if deadline is None else min(self.block_s, deadline - now)
             if nap > 0:
                 bell.sleep(nap)
             me[SLEEP * _Q] = 0

@@ -44,7 +44,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import PeerTimeout, Transfer, Transport
+from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport
 from .framing import HEADER, Header, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early
 
@@ -199,6 +199,9 @@ class TcpTransport(Transport):
                         extended = True
                         continue
                     raise self._timeout(peers, joined, transfers[0].seq)
+            if self.companion is not None:
+                self.companion()
+                timeout = min(timeout, COMPANION_SLICE_S)
             self.progress(timeout, _SPIN_S)
         for transfer in transfers:
             if transfer.error is not None:

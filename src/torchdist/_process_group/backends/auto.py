@@ -95,6 +95,17 @@ class HierarchicalBackend(ProcessGroupBackend):
             self.leaders = TcpBackend(PrefixStore("leaders/", store), host, len(distinct), timeout,
                                       f"{group_name}:leaders", [global_ranks[i] for i in leaders])
         self.flat.on_break = self._break_subgroups
+        for backend in (self.local, self.leaders):
+            if backend is not None:
+                backend._transport.companion = self._move_flat
+
+    def _move_flat(self) -> None:
+        """Called while an all-reduce waits in a sub-group: the flat group's P2P transfers,
+        and the ops other threads posted to it meanwhile, keep moving. A peer may need them
+        before it joins the all-reduce (gloo moves them on threads of their own)."""
+        transport = self.flat._transport
+        if transport.on_poll is not None or transport.pending():
+            transport.progress(0)
 
     def _break_subgroups(self, error: BaseException) -> None:
         """The flat group broke: so do the others (run on the flat group's driving thread,
