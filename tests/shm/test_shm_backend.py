@@ -429,7 +429,7 @@ def _spare_cores(rank: int, world: int, cores: int) -> tuple[bool, list[str], li
         backend = torchdist.group.WORLD.backend
         big = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: over the wake-up size
         torchdist.barrier()  # both ranks are inside the next op soon: inline would be allowed
-        time.sleep(0.05 * rank)
+        time.sleep(0.3 * rank)  # rank 0 is inside, on its worker, by then (even under load)
         work = torchdist.all_reduce(big, async_op=True)
         time.sleep(0.2)  # "compute": a wait right away would run a queued op itself
         work.wait()
