@@ -158,24 +158,99 @@ class _Payload:
         self.rank, self.tensor = rank, torch.arange(3) * rank
 
 
-def _p2p_size_mismatch(rank, world):
-    try:
-        if rank == 0:
-            dist.send(torch.ones(2), dst=1)
+def _p2p_sizes(rank, world):
+    """A receive larger than the message takes it into its leading bytes, as in gloo; a
+    smaller one breaks the group, naming both sizes (gloo aborts the process)."""
+    if rank == 0:
+        dist.send(torch.arange(4, dtype=torch.float32), dst=1)
+        dist.send(torch.ones(4), dst=1, tag=3)
+        try:
             dist.barrier()  # the receiver's error breaks the group: this raises too
-        else:
-            dist.recv(torch.zeros(4), src=0)
+        except RuntimeError:
+            pass
         return None
+    larger = torch.full((8,), -1.0)
+    dist.recv(larger, src=0)
+    try:
+        dist.recv(torch.zeros(2), src=0, tag=3)
+    except RuntimeError as exc:
+        return larger.tolist(), str(exc)
+    raise AssertionError("a message larger than the receive was accepted")
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_p2p_receive_may_be_larger_than_the_message_not_smaller(backend):
+    _, (larger, message) = run_ranks(_p2p_sizes, 2, backend=backend)
+    assert larger == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, -1.0]
+    assert "rank 0 sent 16 bytes with tag 3 but rank 1's recv has room for 8 bytes" in message, message
+    assert message.count("process group") == 1, message
+
+
+def _tag_rules(rank, world):
+    """Tags as PyTorch takes them; a refused tag raises at the call and leaves the group usable."""
+    errors = []
+    for tag, error in ((1.5, TypeError), (None, TypeError), ("a", TypeError), (1 << 31, TypeError),
+                       (-1, RuntimeError)):
+        for call in (lambda: dist.send(torch.ones(1), dst=1 - rank, tag=tag),
+                     lambda: dist.irecv(torch.ones(1), src=1 - rank, tag=tag)):
+            with pytest.raises(error):
+                call()
+            errors.append(error.__name__)
+    t = torch.full((1,), float(rank))
+    if rank == 0:
+        dist.send(t, dst=1, tag=(1 << 31) - 1)
+    else:
+        dist.recv(t, src=0, tag=(1 << 31) - 1)
+    dist.all_reduce(t)
+    return errors, t.item()
+
+
+def test_p2p_tags_are_checked_at_the_call():
+    for errors, value in run_ranks(_tag_rules, 2, backend="tcp"):
+        assert errors == ["TypeError"] * 8 + ["RuntimeError"] * 2
+        assert value == 0.0
+
+
+def _negative_tag_cannot_pass_a_monitored_barrier(rank, world):
+    """A user's message with tag -1 would have matched monitored_barrier's own traffic."""
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="Tag must be nonnegative"):
+            dist.send(torch.zeros(1, dtype=torch.uint8), dst=0, tag=-1)
+        return None
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=2))
     except RuntimeError as exc:
         return str(exc)
+    raise AssertionError("monitored_barrier passed without rank 1")
 
 
-def test_p2p_size_mismatch_names_both_sizes_once():
-    """torchdist refuses a receive whose size differs from the send (gloo fills a larger
-    buffer's prefix; see docs/design/collectives.md), with a message that names the group once."""
-    _, message = run_ranks(_p2p_size_mismatch, 2, backend="tcp")
-    assert "rank 0 sent 8 bytes with tag 0 but rank 1's recv expects 16 bytes" in message, message
-    assert message.count("process group") == 1, message
+def test_negative_tags_are_refused_so_monitored_barrier_stays_honest():
+    message, _ = run_ranks(_negative_tag_cannot_pass_a_monitored_barrier, 2, backend="tcp")
+    assert "Rank 1 failed to pass monitoredBarrier" in message, message
+
+
+def _non_member_p2p(rank, world):
+    group = dist.new_group([0, 1])
+    if rank != 2:
+        return None
+    refused = []
+    for call in (lambda: dist.send(torch.ones(1), dst=0, group=group),
+                 lambda: dist.send_object_list([1], dst=0, group=group),
+                 lambda: dist.recv_object_list([None], src=0, group=group)):
+        with pytest.raises(ValueError, match="Invalid process group specified"):
+            call()
+        refused.append(True)
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert dist.isend(torch.ones(1), dst=0, group=group) is None
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert dist.recv(torch.ones(1), src=0, group=group) == -1
+    return refused
+
+
+def test_non_members_send_and_object_p2p_raise_as_in_pytorch():
+    """PyTorch raises ValueError for send, send_object_list and recv_object_list on a rank
+    outside the group, where isend, irecv and recv warn and return."""
+    assert run_ranks(_non_member_p2p, 3, backend="tcp")[2] == [True] * 3
 
 
 def _objects(rank, world):

@@ -61,6 +61,29 @@ def group_root(
     return WORLD.group_rank(pg, int(global_rank))  # ValueError for a rank outside a subgroup, as PyTorch
 
 
+def refuse_non_member(group: ProcessGroup | None, op: str) -> None:
+    """PyTorch's ``send``, ``send_object_list`` and ``recv_object_list`` raise on a rank
+    outside their group, where its other functions warn and return."""
+    if WORLD.resolve(group) is NON_GROUP_MEMBER:
+        raise ValueError(f"{op}: Invalid process group specified: rank {WORLD.require_default().rank()} "
+                         "is not in the group")
+
+
+_TAG_LIMIT = 1 << 31  # tags are C ints in PyTorch's bindings
+
+
+def check_tag(op: str, tag: object) -> int:
+    """A P2P tag as PyTorch takes it: an int that fits a C int (a TypeError from its
+    argument parsing otherwise), not negative (gloo's RuntimeError). Negative tags
+    are torchdist's own (``monitored_barrier``'s messages)."""
+    if not isinstance(tag, int) or not -_TAG_LIMIT <= tag < _TAG_LIMIT:
+        raise TypeError(f"{op}(): incompatible function arguments: tag must be an int below {_TAG_LIMIT}, "
+                        f"got {type(tag).__name__} {tag!r}")
+    if tag < 0:
+        raise RuntimeError(f"{op}: Tag must be nonnegative, got {tag}")
+    return int(tag)
+
+
 def check_timeout(timeout: timedelta | None) -> None:
     """PyTorch's group constructors take a ``timedelta`` (or None), nothing else."""
     if timeout is not None and not isinstance(timeout, timedelta):

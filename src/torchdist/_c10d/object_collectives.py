@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import collectives, p2p
-from ._args import group_root, member_group
+from ._args import group_root, member_group, refuse_non_member
 
 __all__ = [
     "broadcast_object_list",
@@ -153,6 +153,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 def send_object_list(object_list: list[Any], dst: int | None = None, group=None, device=None,
                      group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst``, which calls ``recv_object_list``."""
+    refuse_non_member(group, "send_object_list")
     pg = member_group(group, "send_object_list")
     if pg is None:
         return
@@ -164,6 +165,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group=None,
 def recv_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
                      group_src: int | None = None, use_batch: bool = False) -> int:
     """Fill ``object_list`` with the objects a peer sent; returns the sender's rank."""
+    refuse_non_member(group, "recv_object_list")
     pg = member_group(group, "recv_object_list")
     if pg is None:
         return -1

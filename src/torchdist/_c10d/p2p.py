@@ -16,7 +16,7 @@ import torch
 from .._process_group.process_group import ProcessGroup
 from .._process_group.work import Work
 from ..errors import DistBackendError
-from ._args import Staging, check_tensor, group_root, member_group
+from ._args import Staging, check_tag, check_tensor, group_root, member_group, refuse_non_member
 from .world import NON_GROUP_MEMBER, WORLD
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier"]
@@ -55,10 +55,13 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
 def _post_send(tensor: torch.Tensor, dst: int | None, group, tag: int, group_dst: int | None,
                async_op: bool) -> Work | None:
     """``isend``; ``async_op=False``: the caller waits next (``send``) and drives it itself."""
+    if not async_op:
+        refuse_non_member(group, "send")
     pg = member_group(group, "isend")
     if pg is None:
         return None
     check_tensor("isend", tensor)
+    tag = check_tag("send", tag)
     peer = _peer(pg, "isend" if async_op else "send", dst, group_dst, "dst")
     return pg.backend.send(Staging().input(tensor), peer, tag, async_op=async_op)
 
@@ -70,6 +73,7 @@ def _post_recv(tensor: torch.Tensor, src: int | None, group, tag: int, group_src
     if pg is None:
         return None
     check_tensor("irecv", tensor)
+    tag = check_tag("recv", tag)
     peer = None if src is None and group_src is None else _peer(pg, "irecv", src, group_src, "src")
     stage = Staging()
     return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag, async_op=async_op), async_op=True)

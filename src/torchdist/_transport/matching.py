@@ -121,12 +121,17 @@ def check_match(label: str, names: list[int], rank: int, transfer: Transfer, pee
         if header[:9] != transfer.key:  # seq, fingerprint and size at once
             raise mismatch_error(label, str(names[rank]), transfer, str(names[peer]),
                                  Header.from_fields(header))
-    elif header[NBYTES] != transfer.nbytes:
+    elif header[NBYTES] > transfer.nbytes:
         raise DistBackendError(
             f"{label}: rank {names[peer]} sent {header[NBYTES]} bytes with tag {header[TAG]} but rank "
-            f"{names[rank]}'s recv expects {transfer.nbytes} bytes; send and recv tensors must have the "
-            "same size and dtype."
+            f"{names[rank]}'s recv has room for {transfer.nbytes} bytes; the recv tensor must be at least "
+            "as large as the sent one (usually: the same size and dtype)."
         )
+    elif header[NBYTES] < transfer.nbytes:
+        # As gloo: a receive larger than the message takes it into its leading bytes
+        # (the rest of the tensor keeps its values); the transfer shrinks to the message.
+        transfer.view = transfer.view[:header[NBYTES]]
+        transfer.nbytes = header[NBYTES]
 
 
 def deliver_early(transport, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:
