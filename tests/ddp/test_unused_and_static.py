@@ -183,6 +183,51 @@ def test_static_graph_with_reentrant_checkpointing_twice_matches_single_process(
             torch.testing.assert_close(got[k], v, **TOL)
 
 
+class CheckpointedHead(nn.Module):
+    """The last layers under a reentrant checkpoint: the first gradient hooks fire in its
+    inner backward, the last ones (``body``'s) in the outer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return checkpoint(lambda t: self.head(torch.tanh(t)), self.body(x), use_reentrant=True)
+
+
+def _checkpointed_head(rank, world_size, steps):
+    torch.manual_seed(0)
+    ddp = DDP(CheckpointedHead())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(world_size * 2, 6, generator=g, requires_grad=True)
+        opt.zero_grad()
+        ddp(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in ddp.module.state_dict().items()}
+
+
+def test_reentrant_checkpoint_around_the_last_layers_matches_single_process():
+    """The end of backward used to run when the checkpoint's inner backward ended: gradients
+    stayed local (ranks drifted apart) and the next forward raised."""
+    results = run_ranks(_checkpointed_head, 2, args=(3,), backend="gloo")
+    torch.manual_seed(0)
+    model = CheckpointedHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=g, requires_grad=True)
+        opt.zero_grad()
+        out = model(x)
+        (0.5 * out[:2].pow(2).mean() + 0.5 * out[2:].pow(2).mean()).backward()
+        opt.step()
+    for got in results:
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, **TOL)
+
+
 def _static_changes(rank, world_size):
     torch.manual_seed(0)
     ddp = DDP(TwoBranch(), static_graph=True)
@@ -203,9 +248,23 @@ def test_static_graph_that_changes_raises_at_the_next_forward():
         assert "net2.weight" in msg, msg
 
 
+class CheckpointedTwiceAfterPre(Checkpointed):
+    """``Checkpointed`` after a layer whose gradient comes last: the bucket is still open
+    when the reused layer's hook fires the second time. (Without ``pre`` the bucket is
+    complete after the first inner backward, whose end then finishes the reduction, and
+    the second firing only accumulates locally, in PyTorch as here.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return super().forward(self.pre(x))
+
+
 def _twice(rank, world_size):
     torch.manual_seed(0)
-    ddp = DDP(Checkpointed())  # one layer checkpointed twice: two reentrant backwards, two hook firings
+    ddp = DDP(CheckpointedTwiceAfterPre())  # one layer checkpointed twice: two reentrant backwards, two hook firings
     try:
         ddp(torch.randn(2, 6, requires_grad=True)).sum().backward()
     except RuntimeError as exc:

@@ -342,7 +342,6 @@ class Reducer:
         if not self._expect_hooks:
             return
         self._require_finalize = True
-        self.queue_finalize()
         if self._static and not self._static_done:  # first iteration: only count
             if self._counts[index] == 0:
                 self._arrival.append(index)
@@ -463,8 +462,15 @@ class Reducer:
             else:
                 bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
                                                           bucket.offsets, bucket.index == len(self._buckets) - 1))
-        if self._next_bucket == len(self._buckets) and self._tracks_used() and self._used_work is None:
-            self._used_work = self._issue_all_reduce(self._locally_used, ReduceOp.SUM)
+        if self._next_bucket == len(self._buckets):
+            if self._tracks_used() and self._used_work is None:
+                self._used_work = self._issue_all_reduce(self._locally_used, ReduceOp.SUM)
+            # As PyTorch's reducer: the end of backward is awaited once the last bucket is
+            # out, in the backward pass running now. Queued at the first hook instead, it
+            # ran at the end of a reentrant checkpoint's inner backward, where that hook
+            # fired, before the buckets of the parameters outside it were ready.
+            # (_DDPSink queues it on the outermost backward at once.)
+            self.queue_finalize()
 
     def _issue_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         """All-reduce ``tensor`` (a contiguous flat bucket), to be waited on at the end of
