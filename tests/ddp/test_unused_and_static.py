@@ -228,6 +228,64 @@ def test_reentrant_checkpoint_around_the_last_layers_matches_single_process():
             torch.testing.assert_close(got[k], v, **TOL)
 
 
+class BodyTwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.h1, self.h2 = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.h1(h), self.h2(h)
+
+
+def _static_output_not_in_loss(rank, world_size):
+    """The loss uses one head: the other's hooks fire without a gradient, which is no use."""
+    torch.manual_seed(0)
+    model = BodyTwoHeads()
+    ddp = DDP(model, static_graph=True)
+    a, _ = ddp(torch.full((3, 4), float(rank + 1)))
+    a.sum().backward()
+    return model.h2.weight.grad, model.h1.weight.grad
+
+
+def test_static_graph_leaves_grad_none_for_an_output_the_loss_did_not_use():
+    """PyTorch leaves ``.grad`` None there (zeros would let weight decay move the head)."""
+    (h2_0, h1_0), (h2_1, h1_1) = run_ranks(_static_output_not_in_loss, 2, backend="gloo")
+    assert h2_0 is None and h2_1 is None
+    torch.testing.assert_close(h1_0, h1_1, rtol=0, atol=0)
+
+
+class LateLayer(nn.Module):
+    """``b`` is used from the second iteration on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) if self.calls == 1 else self.b(self.a(x))
+
+
+def _static_late_use(rank, world_size):
+    ddp = DDP(LateLayer(), static_graph=True)
+    ddp(torch.randn(3, 4)).sum().backward()
+    try:
+        ddp(torch.randn(3, 4)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_static_graph_parameter_unused_first_then_used_raises_pytorchs_error():
+    for msg in run_ranks(_static_late_use, 2, backend="gloo"):
+        assert msg is not None and msg.startswith(
+            "Your training graph has changed in this iteration, e.g., one parameter is unused in first "
+            "iteration, but then got used in the second iteration."), msg
+        assert "b." in msg, msg
+
+
 def _static_changes(rank, world_size):
     torch.manual_seed(0)
     ddp = DDP(TwoBranch(), static_graph=True)

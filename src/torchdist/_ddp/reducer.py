@@ -85,6 +85,9 @@ _UNUSED_HINT = (
     "the loss function and the structure of the return value of `forward` of your module when reporting this "
     "issue (e.g. list, dict, iterable).")
 
+_UNUSED_THEN_USED = (
+    "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but "
+    "then got used in the second iteration. this is not compatible with static_graph set to True.")
 _GRAPH_CHANGED = (
     "your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
     "got unused in the second iteration. this is not compatible with static_graph set to True.")
@@ -334,7 +337,7 @@ class Reducer:
 
     def _on_grad(self, index: int) -> None:
         """The autograd hook of parameter ``index``: its gradient has been accumulated."""
-        if self._find_unused and self._params[index].grad is not None:
+        if self._tracks_used() and self._params[index].grad is not None:
             # Locally used, also in a no_sync backward: the next synced backward reduces
             # what accumulated. (A hook may fire without a gradient, for an output the
             # loss did not use: that is no use, and .grad stays None, as in PyTorch.)
@@ -353,8 +356,11 @@ class Reducer:
         if self._static:
             left = self._counts_left[index] - 1
             if left < 0:
+                if self._counts[index] == 0:  # PyTorch's words, then which parameter
+                    raise RuntimeError(f"{_UNUSED_THEN_USED}\nParameter: {self._names[index]}")
                 raise RuntimeError(f"Parameter {self._names[index]} got more gradients than in the first "
-                                   f"iteration: {_GRAPH_CHANGED}")
+                                   f"iteration ({self._counts[index]}): your training graph has changed in this "
+                                   "iteration. this is not compatible with static_graph set to True.")
             self._counts_left[index] = left
             if left > 0:
                 return
@@ -526,9 +532,8 @@ class Reducer:
             self._rebuild_order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
 
     def _delayed_reduce(self) -> None:
-        """Static graph, first iteration: reduce every bucket now that the hook counts are known."""
-        for i, count in enumerate(self._counts):
-            self._locally_used[i] = 1 if count > 0 else 0
+        """Static graph, first iteration: reduce every bucket now that the hook counts are known
+        (which parameters were used, ``_locally_used``, the hooks recorded)."""
         self._first_hook_seen = True
         for bucket in self._buckets:
             for index in bucket.param_indices:
