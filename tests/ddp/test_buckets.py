@@ -145,6 +145,33 @@ def test_solo_bucket_falls_back_to_its_own_tensor_for_non_contiguous_grads():
         assert_close_states(got, want)
 
 
+def _channels_last_views(rank, world_size, cap_mb):
+    model = _channels_last_model()
+    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=cap_mb)
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        ddp.zero_grad()
+        ddp(x[rank * 2:(rank + 1) * 2]).sum().backward()
+    weight = model[0].weight
+    return weight.stride(), weight.grad.stride(), weight.grad.clone()
+
+
+@pytest.mark.parametrize("cap_mb", [TINY_CAP_MB, 25], ids=["solo", "coalesced"])
+def test_bucket_views_keep_a_channels_last_gradient_layout(cap_mb):
+    """With ``gradient_as_bucket_view`` a ``channels_last`` weight's ``.grad`` is a bucket view
+    with the weight's strides, as in PyTorch (it was row-major), holding the average."""
+    model = _channels_last_model()
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    model(x[:2]).sum().backward()
+    first = model[0].weight.grad.clone()
+    model.zero_grad()
+    model(x[2:]).sum().backward()
+    want = (first + model[0].weight.grad) / 2
+    for param_strides, grad_strides, grad in run_ranks(_channels_last_views, 2, args=(cap_mb,), backend="gloo"):
+        assert grad_strides == param_strides != (27, 9, 3, 1)
+        torch.testing.assert_close(grad, want, **TOL)
+
+
 class TwoBranch(nn.Module):
     """``net2`` is used only on rank 0; ``never`` is never used. 16x16 weights: 1 KiB, solo here."""
 

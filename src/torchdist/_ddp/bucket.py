@@ -83,6 +83,18 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     return result
 
 
+def _slot(storage: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    """``param``'s slot in a bucket's flat tensor, laid out like ``param`` where its elements
+    are dense in some order (a ``channels_last`` weight: its gradient, a bucket view with
+    ``gradient_as_bucket_view``, keeps that layout, as in PyTorch), else row-major."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(param.stride(), param.shape) if n != 1):
+        if stride != expected:
+            return storage[offset:offset + param.numel()].view(param.shape)
+        expected *= size
+    return storage.as_strided(param.shape, param.stride(), offset)
+
+
 class Bucket:
     """One bucket: its parameters, the flat tensor reduced this iteration, and progress.
 
@@ -121,7 +133,7 @@ class Bucket:
         if self._storage is None:
             self._storage = torch.zeros(self.numel, dtype=self.dtype, device=self.params[0].device)
         if not self._views:
-            self._views = [self._storage[o:o + q.numel()].view(q.shape) for q, o in zip(self.params, self.offsets)]
+            self._views = [_slot(self._storage, q, o) for q, o in zip(self.params, self.offsets)]
         return self._storage
 
     @property
