@@ -18,7 +18,11 @@ hierarchical: reduce within the host into the leader, all-reduce between the
 leaders, broadcast within the host, so only one rank per host puts bytes on the
 network. It runs as one op of the flat group (so it keeps its place in the
 group's order, async or not) whose body drives the two sub-groups. Every other
-op, point-to-point included, runs on the flat group.
+op, point-to-point included, runs on the flat group. While the body waits in a
+sub-group, the flat group's point-to-point transfers keep moving (the
+sub-groups' transports call ``_move_flat`` at every round of a wait:
+``Transport.companion``): a peer may need a send posted before or during the
+all-reduce before it joins it.
 
 Errors reach every rank, as on the other backends:
 
