@@ -51,3 +51,63 @@ def test_compare_with_gloo_interleaved_and_plot(tmp_path) -> None:
     lines = [line for line in proc.stdout.splitlines() if line and not line.startswith("#")]
     assert len(lines) == 4 and all(line.rstrip().endswith("x") for line in lines), proc.stdout
     assert plot.stat().st_size > 1000
+
+
+class _Misplacing:
+    """A stand-in for a dist module of one rank whose collectives return the right values
+    in the wrong places (rolled by one element)."""
+
+    class ReduceOp:
+        SUM, PRODUCT, MIN, MAX = "sum", "prod", "min", "max"
+
+    all_gather_into_tensor = reduce_scatter_tensor = None
+
+    @staticmethod
+    def all_reduce(tensor, op=None):
+        tensor.copy_(tensor.roll(1))
+
+    @staticmethod
+    def broadcast(tensor, src):
+        tensor.copy_(tensor.roll(1))
+
+    @staticmethod
+    def all_to_all_single(output, input):
+        output.copy_(input.roll(1))
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "alltoall"])
+def test_the_check_counts_misplaced_elements(op: str) -> None:
+    """The check data differ by position, so right values in the wrong places are wrong
+    (with a uniform fill per rank the check passed them)."""
+    import torch
+
+    from torchdist.bench.worker import Job, _Case
+
+    job = Job(ops=(op,), sizes=(4096,), backend="shm", compare=None)
+    case = _Case(_Misplacing(), op, 4096, world=1, rank=0, job=job)
+    assert case.check() > 0
+    torch.testing.assert_close(case.inp, torch.zeros_like(case.inp))  # the buffers are zeroed afterwards
+
+
+def test_prod_an_unsupported_baseline_dtype_and_no_check(tmp_path) -> None:
+    """-o prod runs (ReduceOp.PRODUCT); gloo has no int16: its columns say n/a and the
+    torchdist rows stay; -c 0 prints N/A, not a pass."""
+    out = tmp_path / "rows.json"
+    proc = _bench("all_reduce,all_gather", "-b", "16", "-e", "1K", "-f", "64", "--nproc", "2", "--backend", "shm",
+                  "-o", "prod", "-d", "int16", "--compare", "gloo", "-n", "2", "-w", "1", "-r", "1",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "n/a: gloo refused all_reduce with int16" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["wrong"] == 0 for r in rows if r["impl"] == "torchdist")
+    assert all(r["time_us"] is None for r in rows if r["impl"] == "gloo")
+    unchecked = _bench("all_reduce", "-b", "8", "-e", "8", "--nproc", "1", "-c", "0", "-n", "2", "-w", "0")
+    assert unchecked.returncode == 0 and "Out of bounds values : N/A" in unchecked.stdout, unchecked.stdout
+
+
+@pytest.mark.parametrize("args", [["--root", "2", "--nproc", "2"], ["--nproc", "0"], ["-d", "floaty"],
+                                  ["-b", "64", "-e", "8"], [","], ["-f", "1"]])
+def test_a_bad_command_line_exits_2_before_any_rank_starts(args: list[str]) -> None:
+    proc = _bench(*args, timeout=60)
+    assert proc.returncode == 2 and "torchdist-bench: error:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

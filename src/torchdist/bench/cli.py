@@ -9,7 +9,8 @@ Example, the nccl-tests experience for CPU::
 reduce_scatter, alltoall, or ``all``. Sizes go from ``-b`` to ``-e``, multiplied
 by ``-f`` each time (suffixes K, M, G are powers of 1024). The ranks are
 processes on this host started through ``torchdist.testing.run_ranks``.
-The exit status is 1 if any result was wrong (``#wrong`` > 0).
+Exit status: 0 if every checked result was right, 1 if any was wrong (``#wrong``
+> 0), 2 for a bad command line; a run that fails or times out raises.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import argparse
 import logging
 import sys
 
+import torch
+
 from ..testing import free_port, run_ranks
 from . import report
-from .worker import OPS, Job, run_rank
+from .worker import OPS, REDOPS, Job, run_rank
 
 __all__ = ["main", "parse_size"]
 
@@ -42,7 +45,7 @@ def parse_size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchdist-bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="torchdist-bench", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ops", nargs="?", default="all_reduce", help=f"comma-separated, or 'all': {', '.join(OPS)}")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
@@ -51,9 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=0, help="iterations per round (0: by size)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
     p.add_argument("-r", "--rounds", type=int, default=2, help="alternations of the implementations")
-    p.add_argument("-d", "--datatype", default="float32")
-    p.add_argument("-o", "--op", default="sum", choices=["sum", "prod", "min", "max"])
-    p.add_argument("--root", type=int, default=0)
+    p.add_argument("-d", "--datatype", default="float32", help="a torch dtype: float32, float16, bfloat16, "
+                   "float64, int8, uint8, int32, int64, ...")
+    p.add_argument("-o", "--op", default="sum", choices=list(REDOPS))
+    p.add_argument("--root", type=int, default=0, help="root rank of broadcast and reduce (0..nproc-1)")
     p.add_argument("-c", "--check", type=int, default=1, help="verify results (#wrong); 0 to skip")
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this host")
     p.add_argument("--backend", default="auto", help="torchdist backend: auto, shm, tcp")
@@ -69,14 +73,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    ops = OPS if args.ops == "all" else tuple(op.strip() for op in args.ops.split(",") if op.strip())
+    ops = OPS if args.ops == "all" else tuple(dict.fromkeys(op.strip() for op in args.ops.split(",") if op.strip()))
     if args.stepfactor < 2:
-        raise SystemExit(f"-f must be at least 2, got {args.stepfactor}")
+        parser.error(f"-f must be at least 2, got {args.stepfactor}")
     if args.minbytes > args.maxbytes:
-        raise SystemExit(f"-b ({args.minbytes}) is larger than -e ({args.maxbytes})")
+        parser.error(f"-b ({args.minbytes}) is larger than -e ({args.maxbytes})")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    if not 0 <= args.root < args.nproc:
+        parser.error(f"--root must be a rank, 0..{args.nproc - 1}, got {args.root}")
+    if not isinstance(getattr(torch, args.datatype, None), torch.dtype):
+        parser.error(f"-d: not a torch dtype: {args.datatype!r}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - found out now, not after the run
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'torchdist[bench]' (or matplotlib)")
     sizes, size = [], args.minbytes
     while size <= args.maxbytes:
         sizes.append(size)
@@ -87,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                   threads=args.threads, symmetric=args.symmetric, check=bool(args.check), port=free_port(),
                   compare_port=free_port() if args.compare else 0, timeout_s=args.timeout)
     except ValueError as exc:
-        raise SystemExit(f"torchdist-bench: {exc}") from None
+        parser.error(str(exc))
     results = run_ranks(run_rank, args.nproc, args=(job,), timeout=job.timeout_s)
     rows = report.rows_from(results, job, args.nproc)
     report.print_table(rows, job, args.nproc)
@@ -96,4 +112,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         report.plot(rows, job, args.nproc, args.plot)
     sys.stdout.flush()
-    return 1 if any(r.wrong for r in rows) else 0
+    return 1 if any(r.wrong for r in rows if r.wrong is not None) else 0

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
-from .worker import BUS_FACTOR
+from .worker import BUS_FACTOR, element_count
 
 __all__ = ["Row", "rows_from", "print_table", "write_json", "plot"]
 
@@ -28,12 +28,13 @@ class Row:
     dtype: str
     redop: str
     root: int
-    time_us: float
-    algbw: float
-    busbw: float
-    wrong: int
+    time_us: float | None  # None: the implementation does not support the op (``note`` says why)
+    algbw: float | None
+    busbw: float | None
+    wrong: int | None      # None: results not checked (-c 0)
     world: int
     backend: str
+    note: str = ""
 
 
 def rows_from(results: list[dict], job, world: int) -> list[Row]:
@@ -41,22 +42,23 @@ def rows_from(results: list[dict], job, world: int) -> list[Row]:
 
     esize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size()
     rows = []
-    for key in results[0]["times"]:
+    for key in [*results[0]["times"], *results[0]["unsupported"]]:
         op, size, impl = key
-        per_rank = [r["times"][key] for r in results]
-        slowest = [max(samples) for samples in zip(*per_rank)]
-        seconds = statistics.median(slowest)
-        count = max(size // esize, 1)
-        if op in ("all_gather", "reduce_scatter", "alltoall"):
-            count = max(count // world, 1) * world
+        count = element_count(op, size, esize, world)
         nbytes = count * esize
+        common = dict(op=op, impl=impl, size=nbytes, count=count, dtype=job.dtype,
+                      redop=job.redop if op in ("all_reduce", "reduce", "reduce_scatter") else "none",
+                      root=job.root if op in ("broadcast", "reduce") else -1, world=world,
+                      backend=job.backend if impl == "torchdist" else impl)
+        if key in results[0]["unsupported"]:
+            rows.append(Row(**common, time_us=None, algbw=None, busbw=None, wrong=None,
+                            note=results[0]["unsupported"][key]))
+            continue
+        per_rank = [r["times"][key] for r in results]
+        seconds = statistics.median(max(samples) for samples in zip(*per_rank))
         algbw = nbytes / seconds / 1e9
-        rows.append(Row(op=op, impl=impl, size=nbytes, count=count, dtype=job.dtype,
-                        redop=job.redop if op in ("all_reduce", "reduce", "reduce_scatter") else "none",
-                        root=job.root if op in ("broadcast", "reduce") else -1, time_us=seconds * 1e6,
-                        algbw=algbw, busbw=algbw * BUS_FACTOR[op](world),
-                        wrong=sum(r["wrong"][key] for r in results), world=world,
-                        backend=job.backend if impl == "torchdist" else impl))
+        rows.append(Row(**common, time_us=seconds * 1e6, algbw=algbw, busbw=algbw * BUS_FACTOR[op](world),
+                        wrong=sum(r["wrong"][key] for r in results) if job.check else None))
     return rows
 
 
@@ -84,14 +86,29 @@ def print_table(rows: list[Row], job, world: int, out: TextIO = sys.stdout) -> N
         print("# " + units, file=out)
         for r in mine:
             line = (f"  {r.size:>12} {r.count:>12} {r.dtype:>8} {r.redop:>6} {r.root:>5} {r.time_us:>10.1f} "
-                    f"{r.algbw:>8.3f} {r.busbw:>8.3f} {r.wrong:>7}")
+                    f"{r.algbw:>8.3f} {r.busbw:>8.3f} {_wrong(r):>7}")
             other = theirs.get(r.size)
-            if other is not None:
-                line += (f" {other.time_us:>12.1f} {other.busbw:>8.3f} {other.wrong:>7} "
+            if other is not None and other.time_us is None:
+                line += f" {'n/a':>12} {'n/a':>8} {'n/a':>7} {'n/a':>7}"
+            elif other is not None:
+                line += (f" {other.time_us:>12.1f} {other.busbw:>8.3f} {_wrong(other):>7} "
                          f"{other.time_us / r.time_us:>6.2f}x")
             print(line, file=out)
-    bad = sum(r.wrong for r in rows)
+        for note in dict.fromkeys(r.note for r in rows if r.op == op and r.note):
+            print(f"# n/a: {compare} refused {op} with {job.dtype}: {note}", file=out)
+    timed = [r for r in rows if r.time_us is not None]
+    busbw = [r.busbw for r in timed if r.impl == "torchdist"]
+    if busbw:
+        print(f"# Avg bus bandwidth    : {statistics.mean(busbw):.3f} GB/s (torchdist)", file=out)
+    if not job.check:
+        print("# Out of bounds values : N/A (not checked: -c 0)", file=out)
+        return
+    bad = sum(r.wrong for r in timed)
     print(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
+
+
+def _wrong(row: Row) -> str:
+    return "N/A" if row.wrong is None else str(row.wrong)
 
 
 def write_json(rows: list[Row], job, world: int, path: str) -> None:
@@ -113,7 +130,8 @@ def plot(rows: list[Row], job, world: int, path: str) -> None:
     fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.2 * len(ops)), squeeze=False)
     for (bw_ax, lat_ax), op in zip(axes, ops):
         for impl in dict.fromkeys(r.impl for r in rows):
-            series = sorted((r for r in rows if r.op == op and r.impl == impl), key=lambda r: r.size)
+            series = sorted((r for r in rows if r.op == op and r.impl == impl and r.time_us is not None),
+                            key=lambda r: r.size)
             label = f"torchdist ({job.backend})" if impl == "torchdist" else f"torch.distributed ({impl})"
             sizes = [r.size for r in series]
             bw_ax.plot(sizes, [r.busbw for r in series], marker="o", label=label)

@@ -24,11 +24,13 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Job", "run_rank", "OPS", "BUS_FACTOR"]
+__all__ = ["Job", "run_rank", "OPS", "REDOPS", "BUS_FACTOR", "element_count"]
 
 logger = logging.getLogger(__name__)
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "alltoall")
+#: ``-o`` names -> ReduceOp attribute names.
+REDOPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX"}
 #: nccl-tests' bus bandwidth factors: busbw = algbw * factor(world).
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -63,8 +65,10 @@ class Job:
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
-        if unknown:
-            raise ValueError(f"unknown ops {unknown}; known: {list(OPS)}")
+        if unknown or not self.ops:
+            raise ValueError(f"unknown ops {unknown}; known: {list(OPS)}" if unknown else "no op given")
+        if self.redop not in REDOPS:
+            raise ValueError(f"unknown reduce op {self.redop!r}; known: {list(REDOPS)}")
         if self.rounds < 1 or self.warmup < 0 or self.iters < 0:
             raise ValueError(f"rounds ({self.rounds}) must be >= 1, warmup ({self.warmup}) and iters "
                              f"({self.iters}) >= 0")
@@ -76,6 +80,15 @@ class Job:
         return max(10, min(400, (128 << 20) // max(nbytes, 1)))
 
 
+def element_count(op: str, nbytes: int, esize: int, world: int) -> int:
+    """Elements of the op's (larger) buffer for ``nbytes``: at least one, and for the ops
+    that split it across ranks a multiple of the world size."""
+    count = max(nbytes // esize, 1)
+    if op in ("all_gather", "reduce_scatter", "alltoall"):
+        count = max(count // world, 1) * world
+    return count
+
+
 class _Case:
     """One op at one size on one implementation: ``run()`` times, ``check()`` verifies."""
 
@@ -83,16 +96,13 @@ class _Case:
                  pools: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.dist, self.op, self.world, self.rank = dist, op, world, rank
         self.dtype = getattr(torch, job.dtype)
-        self.redop = getattr(dist.ReduceOp, job.redop.upper())
-        self.redop_name = job.redop.lower()
-        self.root = job.root % world
+        self.redop = getattr(dist.ReduceOp, REDOPS[job.redop])
+        self.redop_name = job.redop
+        self.root = job.root
         # 2.13's names where the module has them (the old ones warn on every call there)
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        count = max(nbytes // esize, 1)
-        if op in ("all_gather", "reduce_scatter", "alltoall"):
-            count = max(count // world, 1) * world
+        count = element_count(op, nbytes, torch.empty((), dtype=self.dtype).element_size(), world)
         self.count = count
         small = count // world if op in ("all_gather", "reduce_scatter") else count
         big = count
@@ -121,40 +131,52 @@ class _Case:
             d.all_to_all_single(self.out, self.inp)
 
     def check(self) -> int:
-        """Run once on known data; the number of wrong elements on this rank."""
+        """Run once on known data; the number of wrong elements on this rank.
+
+        Every rank's input differs by rank *and* position (``_data``), so an element
+        in the wrong place counts as wrong, not only a wrong value; the expected
+        result is computed here from every rank's input, in the op's dtype."""
         r, n, op = self.rank, self.world, self.op
-        value = float(r + 1)
-        self.inp.fill_(value)
-        ranks = torch.arange(1, n + 1, dtype=torch.float64)
+        size = self.inp.numel()
+        inputs = [self._data(j, size) for j in range(n)]
+        self.inp.copy_(inputs[r])
         self.run()
-        if op == "all_reduce" or (op == "reduce" and r == self.root):
-            expected, got = _reduced(self.redop_name, ranks), self.inp
-        elif op == "reduce":
-            return 0
-        elif op == "broadcast":
-            expected, got = float(self.root + 1), self.inp
-        elif op == "reduce_scatter":
-            expected, got = _reduced(self.redop_name, ranks), self.out
-        elif op == "all_gather":
-            got = self.out
-            expected = torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.count // n)
-        else:  # alltoall: block j of the output comes from rank j
-            got = self.out
-            expected = torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.count // n)
-        wrong = int((got != torch.as_tensor(expected, dtype=self.dtype)).sum())
+        if op == "reduce" and r != self.root:
+            wrong = 0  # what a non-root's buffer holds afterwards is unspecified
+        else:
+            if op in ("all_reduce", "reduce"):
+                expected, got = self._fold(inputs), self.inp
+            elif op == "broadcast":
+                expected, got = inputs[self.root], self.inp
+            elif op == "reduce_scatter":
+                block = self.out.numel()
+                expected, got = self._fold([x[r * block:(r + 1) * block] for x in inputs]), self.out
+            elif op == "all_gather":
+                expected, got = torch.cat(inputs), self.out
+            else:  # alltoall: block j of the output is block r of rank j's input
+                block = size // n
+                expected, got = torch.cat([x[r * block:(r + 1) * block] for x in inputs]), self.out
+            wrong = int((got != expected).sum())
         self.inp.zero_()
         self.out.zero_()
         return wrong
 
+    def _data(self, rank: int, numel: int) -> torch.Tensor:
+        """Rank ``rank``'s check input: small integers, exact in every dtype and in any
+        order of reduction (products of ones and twos for prod), that depend on the
+        position modulo a prime (13 for reductions, whose sums must stay small; 97
+        otherwise) and on the rank, so that a block or element in the wrong place shows."""
+        period = 13 if self.op in ("all_reduce", "reduce", "reduce_scatter") else 97
+        phase = (torch.arange(period) + 31 * rank) % period
+        values = (phase == 0).long() + 1 if self.redop_name == "prod" else phase + 1
+        return values.to(self.dtype).repeat(-(-numel // period))[:numel]
 
-def _reduced(redop: str, ranks: torch.Tensor) -> float:
-    if "sum" in redop:
-        return float(ranks.sum())
-    if "prod" in redop:
-        return float(ranks.prod())
-    if "min" in redop:
-        return float(ranks.min())
-    return float(ranks.max())
+    def _fold(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        combine = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum}[self.redop_name]
+        result = parts[0].clone()
+        for part in parts[1:]:
+            result = combine(result, part)
+        return result
 
 
 def _implementations(job: Job, rank: int, world: int) -> dict:
@@ -171,24 +193,38 @@ def _implementations(job: Job, rank: int, world: int) -> dict:
 
 
 def run_rank(rank: int, world: int, job: Job) -> dict:
-    """Time everything; returns {"times": {(op, size, impl): [seconds per iteration]}, "wrong": {...}}."""
+    """Time everything; returns {"times": {(op, size, impl): [seconds per iteration]},
+    "wrong": {...}, "unsupported": {(op, size, impl): why}}. Sizes that round to the
+    same element count as the one before are skipped (tiny sizes round up)."""
     torch.set_num_threads(job.threads)
     impls = _implementations(job, rank, world)
     names = list(impls)
     times: dict[tuple, list[float]] = {}
     wrong: dict[tuple, int] = {}
+    unsupported: dict[tuple, str] = {}
     clock = time.perf_counter
+    esize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size()
     pools = None
     if job.symmetric:  # symmetric memory lives as long as the group: one pair of pools for all sizes
         largest = (max(job.sizes) // 16 + world + 1) * 16  # room for _Case's rounding up, any dtype
         pools = tuple(impls["torchdist"].symmetric_memory.empty(largest, dtype=torch.uint8) for _ in range(2))
     for op in job.ops:
+        counts = set()
         for nbytes in job.sizes:
+            count = element_count(op, nbytes, esize, world)
+            if count in counts:
+                continue
+            counts.add(count)
             cases = {name: _Case(impls[name], op, nbytes, world, rank, job, pools if name == "torchdist" else None)
                      for name in names}
+            for name in names[1:]:  # the baseline may lack the dtype or op: its columns say n/a
+                why = _refusal(cases[name])
+                if why is not None:
+                    unsupported[(op, nbytes, name)] = why
+                    del cases[name]
             iters = job.iterations(nbytes)
             for round_ in range(job.rounds):
-                order = names if round_ % 2 == 0 else names[::-1]
+                order = list(cases) if round_ % 2 == 0 else list(cases)[::-1]
                 for name in order:
                     case, dist = cases[name], impls[name]
                     for _ in range(job.warmup):
@@ -199,9 +235,20 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
                         start = clock()
                         case.run()
                         samples.append(clock() - start)
-            for name in names:
-                wrong[(op, nbytes, name)] = cases[name].check() if job.check else 0
+            for name, case in cases.items():
+                wrong[(op, nbytes, name)] = case.check() if job.check else 0
             del cases
     for name in reversed(names):
         impls[name].destroy_process_group()
-    return {"times": times, "wrong": wrong}
+    return {"times": times, "wrong": wrong, "unsupported": unsupported}
+
+
+def _refusal(case: _Case) -> str | None:
+    """Run ``case`` once: None if it works, else why not. A dtype or op the library does
+    not support raises on every rank before anything is sent (gloo: "Invalid scalar
+    type"), so all ranks skip it alike."""
+    try:
+        case.run()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
