@@ -152,9 +152,9 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
-def _static_checkpoint(rank, world_size, steps):
+def _train_checkpointed(rank, world_size, model_class, steps, ddp_options):
     torch.manual_seed(0)
-    ddp = DDP(Checkpointed(), static_graph=True)
+    ddp = DDP(model_class(), **ddp_options)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
@@ -165,22 +165,27 @@ def _static_checkpoint(rank, world_size, steps):
     return {k: v.detach() for k, v in ddp.module.state_dict().items()}, ddp._get_ddp_logging_data()
 
 
-def test_static_graph_with_reentrant_checkpointing_twice_matches_single_process():
-    results = run_ranks(_static_checkpoint, 2, args=(3,), backend="gloo")
+def _assert_matches_single_process(results, model_class, steps):
+    """Every rank's parameters equal one process's trained on both ranks' batches."""
     torch.manual_seed(0)
-    model = Checkpointed()
+    model = model_class()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
-    for _ in range(3):
+    for _ in range(steps):
         x = torch.randn(4, 6, generator=g, requires_grad=True)
         opt.zero_grad()
         out = model(x)
         (0.5 * out[:2].pow(2).mean() + 0.5 * out[2:].pow(2).mean()).backward()
         opt.step()
-    for got, log in results:
-        assert log["has_rebuilt_buckets"]
+    for got, _ in results:
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got[k], v, **TOL)
+
+
+def test_static_graph_with_reentrant_checkpointing_twice_matches_single_process():
+    results = run_ranks(_train_checkpointed, 2, args=(Checkpointed, 3, {"static_graph": True}), backend="gloo")
+    _assert_matches_single_process(results, Checkpointed, 3)
+    assert all(log["has_rebuilt_buckets"] for _, log in results)
 
 
 class CheckpointedHead(nn.Module):
@@ -196,36 +201,11 @@ class CheckpointedHead(nn.Module):
         return checkpoint(lambda t: self.head(torch.tanh(t)), self.body(x), use_reentrant=True)
 
 
-def _checkpointed_head(rank, world_size, steps):
-    torch.manual_seed(0)
-    ddp = DDP(CheckpointedHead())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        x = torch.randn(world_size * 2, 6, generator=g, requires_grad=True)
-        opt.zero_grad()
-        ddp(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
-        opt.step()
-    return {k: v.detach() for k, v in ddp.module.state_dict().items()}
-
-
 def test_reentrant_checkpoint_around_the_last_layers_matches_single_process():
     """The end of backward used to run when the checkpoint's inner backward ended: gradients
     stayed local (ranks drifted apart) and the next forward raised."""
-    results = run_ranks(_checkpointed_head, 2, args=(3,), backend="gloo")
-    torch.manual_seed(0)
-    model = CheckpointedHead()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        x = torch.randn(4, 6, generator=g, requires_grad=True)
-        opt.zero_grad()
-        out = model(x)
-        (0.5 * out[:2].pow(2).mean() + 0.5 * out[2:].pow(2).mean()).backward()
-        opt.step()
-    for got in results:
-        for k, v in model.state_dict().items():
-            torch.testing.assert_close(got[k], v, **TOL)
+    results = run_ranks(_train_checkpointed, 2, args=(CheckpointedHead, 3, {}), backend="gloo")
+    _assert_matches_single_process(results, CheckpointedHead, 3)
 
 
 class BodyTwoHeads(nn.Module):

@@ -232,13 +232,20 @@ def test_auto_on_one_host_is_shared_memory_and_gloo_is_its_alias() -> None:
     assert run_ranks(_kind_of_backend, 2, backend="gloo") == ["ShmBackend"] * 2
 
 
-def _two_hosts(rank: int, world: int) -> list:
+def _on_two_simulated_hosts(rank: int, world: int, timeout_s: float, store_timeout_s: float = 60):
+    """This rank's auto backend with hosts {0, 1} and {2, 3} (a HierarchicalBackend)."""
     os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
     torch.set_num_threads(1)
     store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
-                               timeout=timedelta(seconds=30))
-    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=30), group_name="pg")
+                               timeout=timedelta(seconds=store_timeout_s))
+    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=timeout_s),
+                          group_name="pg")
     assert isinstance(backend, HierarchicalBackend)
+    return backend
+
+
+def _two_hosts(rank: int, world: int) -> list:
+    backend = _on_two_simulated_hosts(rank, world, 30, 30)
     out = []
     for n in (1, 1000, (1 << 20) + 3):
         inputs = [torch.arange(n, dtype=torch.float64) * (r + 1) for r in range(world)]
@@ -280,12 +287,7 @@ def _p2p_beside_hierarchical_allreduce(rank: int, world: int, when: str) -> floa
     before it joins the all-reduce. ``before``: the send is posted first; ``during``: after
     the all-reduce, whose op then waits in the host's reduce for rank 2. Either way rank 3's
     send must keep moving while its all-reduce waits in a sub-group, as gloo's does."""
-    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
-    torch.set_num_threads(1)
-    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
-                               timeout=timedelta(seconds=60))
-    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=20), group_name="pg")
-    assert isinstance(backend, HierarchicalBackend)
+    backend = _on_two_simulated_hosts(rank, world, 20)
     message = torch.arange(8 << 20, dtype=torch.uint8)
     x = torch.full((1000,), float(rank))
     start = time.monotonic()
@@ -323,11 +325,7 @@ def _hierarchical_failure(rank: int, world: int, case: str) -> tuple[str, float]
     all-reduce; ``mismatch``: rank 2 calls broadcast where the others all-reduce. The
     survivors keep their processes alive afterwards, so nobody learns of the failure
     from a closed connection alone."""
-    os.environ["TORCHDIST_HOST_ID"] = f"simulated-host-{rank // 2}"
-    torch.set_num_threads(1)
-    store = torchdist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
-                               timeout=timedelta(seconds=60))
-    backend = AutoBackend(torchdist.PrefixStore("pg", store), rank, world, timedelta(seconds=20), group_name="pg")
+    backend = _on_two_simulated_hosts(rank, world, 20)
     t = torch.ones(1 << 20)
     backend.allreduce([t]).wait()  # everyone is connected and past setup
     if case == "dies" and rank == 3:
