@@ -11,9 +11,10 @@ checkpoint after every epoch; ``--resume`` continues from it.
     torchdist-run --nproc-per-node 2 examples/ddp_digits.py --epochs 15
     torchdist-run --nproc-per-node 2 examples/ddp_digits.py --epochs 20 --resume
 
-Any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT works
-(``torchrun`` too). Expected result: a test accuracy of about 0.97 after 15
-epochs, the same on every rank.
+Any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT works,
+except ``torchrun``: its agent serves MASTER_PORT with PyTorch's own store,
+which a torchdist program cannot use (it says so within seconds). Expected
+result: a test accuracy of about 0.97 after 15 epochs, the same on every rank.
 """
 
 from __future__ import annotations

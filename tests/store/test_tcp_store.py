@@ -531,6 +531,23 @@ def test_client_rejects_a_server_that_is_not_a_store() -> None:
     listener.close()
 
 
+def test_client_gives_up_on_a_server_that_never_answers_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch's own TCPStore waits for a request it understands: a torchdist program run by
+    torchrun finds that store at MASTER_PORT. It raises naming torchrun, instead of waiting
+    out the init timeout (30 minutes by default)."""
+    import torch.distributed as torch_dist
+
+    from torchdist._store import tcp_store
+
+    monkeypatch.setattr(tcp_store, "_HANDSHAKE_S", 1.0)
+    theirs = torch_dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match="did not answer torchdist's handshake.*torchrun"):
+        TCPStore(HOST, theirs.port, timeout=timedelta(seconds=60))
+    assert time.monotonic() - start < 10
+    del theirs
+
+
 # -- the job secret ---------------------------------------------------------------------
 @pytest.fixture
 def secret_master(monkeypatch: pytest.MonkeyPatch) -> Iterator[TCPStore]:

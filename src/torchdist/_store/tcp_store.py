@@ -310,6 +310,10 @@ def _resolve(host: str, port: int, timeout: float) -> list:
     return outcome[0]
 
 
+#: How long a server may take to answer the first handshake frame (s).
+_HANDSHAKE_S = 10.0
+
+
 def _handshake(sock: socket.socket, host: str, port: int, secret: bytes | None) -> None:
     """HELLO (magic, version, nonce); then, holding a secret, AUTH twice (see wire).
 
@@ -320,7 +324,19 @@ def _handshake(sock: socket.socket, host: str, port: int, secret: bytes | None) 
     where = f"the TCPStore server at {host}:{port}"
     hello = wire.HELLO_BODY.pack(wire.MAGIC, wire.VERSION, random.getrandbits(64))
     sock.sendall(wire.frame(Op.HELLO, hello))
-    status, body = _handshake_reply(sock, where, first=True)
+    # A torchdist server answers at once; another server may wait forever for a request
+    # it understands (torchrun's own store, which a torchdist program run by torchrun
+    # finds at MASTER_PORT): give up then, naming that.
+    sock.settimeout(min(sock.gettimeout() or _HANDSHAKE_S, _HANDSHAKE_S))
+    try:
+        status, body = _handshake_reply(sock, where, first=True)
+    except TimeoutError:
+        raise DistNetworkError(
+            f"{where} accepted the connection but did not answer torchdist's handshake within "
+            f"{_HANDSHAKE_S:.0f} s: it is not a torchdist TCPStore server. Under torchrun, MASTER_PORT is torchrun's "
+            "own store (PyTorch's protocol): launch torchdist programs with torchdist-run. Otherwise check "
+            "MASTER_ADDR/MASTER_PORT."
+        ) from None
     if status != Status.OK or body != hello:
         said = body.decode("utf-8", "replace") if status == Status.ERROR else f"status {status}, {body[:32]!r}"
         raise DistNetworkError(
