@@ -153,7 +153,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str, list[
     """The launch configuration, the command and its arguments, as torchrun derives them."""
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     nproc_per_node = parse_nproc_per_node(args.nproc_per_node)
-    if args.standalone:
+    if (not args.standalone and args.rdzv_backend == "static" and not args.rdzv_endpoint
+            and args.master_port is None and max_nodes == 1):
+        # As torchrun 2.13: a one-node job that names no port takes a free one, so two
+        # jobs side by side do not both claim 29500.
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         log.info("\n**************************************\nRendezvous info:\n--rdzv-backend=c10d "
                  "--rdzv-endpoint=localhost:0 --rdzv-id=%s\n**************************************\n", args.rdzv_id)

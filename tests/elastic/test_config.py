@@ -70,6 +70,15 @@ def test_flags_follow_torchrun(monkeypatch):
     assert os.environ["OMP_NUM_THREADS"] == "1"
 
 
+def test_one_node_without_a_port_takes_a_free_one_as_torchrun_does():
+    """torchrun 2.13: two one-node jobs side by side must not both claim port 29500."""
+    config, _, _ = config_from_args(parse_args(["--nproc-per-node", "2", "train.py"]))
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "localhost:0" and config.run_id != "none"
+    for named in (["--master-port", "29511"], ["--nnodes", "2"], ["--rdzv-endpoint", "h:1"]):
+        config, _, _ = config_from_args(parse_args([*named, "--nproc-per-node", "2", "train.py"]))
+        assert config.rdzv_backend == "static", named
+
+
 def test_standalone_module_and_no_python(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     config, cmd, cmd_args = config_from_args(parse_args(["--standalone", "-m", "pkg.train", "x"]))
