@@ -74,6 +74,7 @@ def train(rank: int, world_size: int, epochs: int, batch: int) -> None:
 
 def _worker(rank: int, world_size: int, port: int, epochs: int, batch: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one core per rank: more threads only fight over the cores
     train(rank, world_size, epochs, batch)
 
 

@@ -85,6 +85,8 @@ def main() -> None:
         start_epoch = checkpoint["epoch"] + 1
         if rank == 0:
             print(f"resumed from {args.checkpoint} after epoch {checkpoint['epoch'] + 1}")
+    elif args.resume and rank == 0:
+        print(f"no checkpoint at {args.checkpoint}: starting from scratch")
 
     sampler = DistributedSampler(train, shuffle=True, seed=0)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
@@ -111,8 +113,10 @@ def main() -> None:
         if rank == 0:
             print(f"epoch {epoch + 1:3d}  loss {totals[0] / totals[2]:.4f}  train acc {totals[1] / totals[2]:.4f}  "
                   f"test acc {test_accuracy:.4f}")
+            # written aside, then renamed: an interrupted save never leaves half a checkpoint
             torch.save({"epoch": epoch, "model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
-                       args.checkpoint)
+                       args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)
         dist.barrier()  # the checkpoint is complete before anyone may read it
 
     final = torch.tensor([evaluate(model.module, test)])
