@@ -111,3 +111,22 @@ def test_a_bad_command_line_exits_2_before_any_rank_starts(args: list[str]) -> N
     proc = _bench(*args, timeout=60)
     assert proc.returncode == 2 and "torchdist-bench: error:" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_reaps_the_ranks_and_their_scratch_folder(tmp_path) -> None:
+    """As Ctrl-C does; by default SIGTERM skipped the cleanup and left a folder in $TMPDIR."""
+    import os
+    import signal
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "torchdist.bench", "all_reduce", "-b", "8", "-e", "8",
+                             "--nproc", "2", "--backend", "shm", "-n", "100000", "-w", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("torchdist-ranks-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2)  # the ranks are running
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    assert not list(tmp_path.glob("torchdist-ranks-*"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 import torch
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                   compare_port=free_port() if args.compare else 0, timeout_s=args.timeout)
     except ValueError as exc:
         parser.error(str(exc))
+    # SIGTERM (a scheduler, timeout(1)) ends the run as Ctrl-C does: the ranks are reaped
+    # and their scratch folder removed, which the default action skips.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results = run_ranks(run_rank, args.nproc, args=(job,), timeout=job.timeout_s)
     rows = report.rows_from(results, job, args.nproc)
     report.print_table(rows, job, args.nproc)
