@@ -22,11 +22,16 @@ from .._process_group.work import Work
 from .world import NON_GROUP_MEMBER, WORLD
 
 
-def member_group(group: ProcessGroup | None, op: str) -> ProcessGroup | None:
-    """The group to run ``op`` on, or None (after a warning) if this rank is not in it."""
+def member_group(group: ProcessGroup | None, op: str, refuse: bool = False) -> ProcessGroup | None:
+    """The group to run ``op`` on, or None (after a warning) if this rank is not in it.
+
+    ``refuse``: raise ValueError instead, as PyTorch's ``send``, ``send_object_list`` and
+    ``recv_object_list`` do on a rank outside their group."""
     pg = WORLD.resolve(group)
     if pg is NON_GROUP_MEMBER:
         rank = WORLD.require_default().rank()
+        if refuse:
+            raise ValueError(f"{op}: Invalid process group specified: rank {rank} is not in the group")
         warnings.warn(
             f"Running {op} on global rank {rank} which does not belong to the given group.",
             UserWarning,
@@ -59,14 +64,6 @@ def group_root(
     if pg is WORLD.require_default() and not 0 <= global_rank < pg.size():
         raise RuntimeError(f"{op}: invalid root rank: {global_rank} is not in 0..{pg.size() - 1}")
     return WORLD.group_rank(pg, int(global_rank))  # ValueError for a rank outside a subgroup, as PyTorch
-
-
-def refuse_non_member(group: ProcessGroup | None, op: str) -> None:
-    """PyTorch's ``send``, ``send_object_list`` and ``recv_object_list`` raise on a rank
-    outside their group, where its other functions warn and return."""
-    if WORLD.resolve(group) is NON_GROUP_MEMBER:
-        raise ValueError(f"{op}: Invalid process group specified: rank {WORLD.require_default().rank()} "
-                         "is not in the group")
 
 
 _TAG_LIMIT = 1 << 31  # tags are C ints in PyTorch's bindings

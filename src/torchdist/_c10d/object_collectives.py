@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import collectives, p2p
-from ._args import group_root, member_group, refuse_non_member
+from ._args import group_root, member_group
 
 __all__ = [
     "broadcast_object_list",
@@ -153,10 +153,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 def send_object_list(object_list: list[Any], dst: int | None = None, group=None, device=None,
                      group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst``, which calls ``recv_object_list``."""
-    refuse_non_member(group, "send_object_list")
-    pg = member_group(group, "send_object_list")
-    if pg is None:
-        return
+    pg = member_group(group, "send_object_list", refuse=True)
     tensors = [_to_tensor(obj) for obj in object_list]
     p2p.send(_sizes(tensors), dst, pg, group_dst=group_dst)
     p2p.send(torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8), dst, pg, group_dst=group_dst)
@@ -165,10 +162,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group=None,
 def recv_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
                      group_src: int | None = None, use_batch: bool = False) -> int:
     """Fill ``object_list`` with the objects a peer sent; returns the sender's rank."""
-    refuse_non_member(group, "recv_object_list")
-    pg = member_group(group, "recv_object_list")
-    if pg is None:
-        return -1
+    pg = member_group(group, "recv_object_list", refuse=True)
     peer = group_root(pg, "recv_object_list", src, group_src)  # no any-source receive here, as in PyTorch
     if peer == pg.rank():
         raise ValueError("recv_object_list: Invalid source rank: source rank should not be the same as the rank of "

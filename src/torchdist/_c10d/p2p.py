@@ -16,7 +16,7 @@ import torch
 from .._process_group.process_group import ProcessGroup
 from .._process_group.work import Work
 from ..errors import DistBackendError
-from ._args import Staging, check_tag, check_tensor, group_root, member_group, refuse_non_member
+from ._args import Staging, check_tag, check_tensor, group_root, member_group
 from .world import NON_GROUP_MEMBER, WORLD
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "monitored_barrier"]
@@ -55,9 +55,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
 def _post_send(tensor: torch.Tensor, dst: int | None, group, tag: int, group_dst: int | None,
                async_op: bool) -> Work | None:
     """``isend``; ``async_op=False``: the caller waits next (``send``) and drives it itself."""
-    if not async_op:
-        refuse_non_member(group, "send")
-    pg = member_group(group, "isend")
+    pg = member_group(group, "isend" if async_op else "send", refuse=not async_op)
     if pg is None:
         return None
     check_tensor("isend", tensor)
