@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import types
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from torchdist._ddp.reducer import reached_leaves
 from torchdist.nn.parallel import DistributedDataParallel as DDP
 from torchdist.testing import run_ranks
 
@@ -119,6 +123,43 @@ def test_an_output_left_out_of_the_loss_leaves_its_gradients_none():
     for grads in run_ranks(_output_unused_in_loss, 2, backend="gloo"):
         assert grads["b.weight"] is None and grads["b.bias"] is None, grads["b.weight"]
         assert grads["a.weight"] is not None
+
+
+class _Node:
+    """An autograd node whose Python wrapper lives only while referenced, as in torch 2.11
+    (torch 2.13 keeps a node's wrapper alive as long as the node)."""
+
+    def __init__(self, *children: "_Node", variable: torch.Tensor | None = None) -> None:
+        self.children, self.variable = children, variable
+        self._wrapper = lambda: None
+
+    def wrapper(self) -> "_Wrapper":
+        wrapper = self._wrapper()
+        if wrapper is None:
+            wrapper = _Wrapper(self)
+            self._wrapper = weakref.ref(wrapper)
+        return wrapper
+
+
+class _Wrapper:
+    def __init__(self, node: _Node) -> None:
+        self.variable = node.variable
+        self._node = node
+
+    @property
+    def next_functions(self):
+        return tuple((child.wrapper(), 0) for child in self._node.children)
+
+
+def test_the_unused_search_reaches_every_leaf_when_torch_frees_node_wrappers():
+    """With torch 2.11 the search by wrapper ids took freed wrappers' reused ids for nodes
+    already seen, called a head's parameters unused, and DDP then raised "marked as ready
+    twice" when their hooks fired."""
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    a, b = (_Node(*(_Node(variable=p) for p in pair)) for pair in (params[:2], params[2:]))
+    root = _Node(a, b)
+    output = types.SimpleNamespace(grad_fn=root.wrapper())
+    assert reached_leaves([output]) == {id(p) for p in params}
 
 
 def _unused_error(rank, world_size):

@@ -101,6 +101,27 @@ def _grad_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[tor
     return hook
 
 
+def reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """The ids of the leaf tensors (parameters) that the autograd graph of ``outputs`` reaches."""
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    # Keyed by id, holding each node's Python wrapper: torch may free a node's wrapper
+    # once nothing references it and make a new one at the next access (torch 2.11
+    # does), and a freed wrapper's id goes to the next wrapper made, which would then
+    # look seen, and its branch would be skipped.
+    seen = {id(fn): fn for fn in stack}
+    reached: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            reached.add(id(variable))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
+    return reached
+
+
 class Reducer:
     """Buckets the gradients of ``params`` and all-reduces them during backward."""
 
@@ -312,18 +333,7 @@ class Reducer:
 
     def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
         """Indices of parameters that the autograd graph of ``outputs`` does not reach."""
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        seen = {id(fn) for fn in stack}
-        reached: set[int] = set()
-        while stack:
-            fn = stack.pop()
-            variable = getattr(fn, "variable", None)
-            if variable is not None:
-                reached.add(id(variable))
-            for nxt, _ in fn.next_functions:
-                if nxt is not None and id(nxt) not in seen:
-                    seen.add(id(nxt))
-                    stack.append(nxt)
+        reached = reached_leaves(outputs)
         unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
         if unused:
             logger.debug("reducer: unused parameters this iteration: %s", [self._names[i] for i in unused])
