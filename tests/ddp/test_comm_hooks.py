@@ -185,3 +185,19 @@ def test_misused_hooks_raise_pytorch_errors():
 def test_hook_types_cover_the_builtins():
     assert {t.name for t in DDPCommHookType} >= {"ALLREDUCE", "FP16_COMPRESS", "BF16_COMPRESS", "POWER_SGD", "NOOP"}
     assert callable(ddp_comm_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook))
+    assert (ddp_comm_hooks.default, ddp_comm_hooks.debugging) == (default_hooks, ddp_comm_hooks.debugging_hooks)
+
+
+def test_hook_type_values_register_their_hook_when_called_as_in_pytorch():
+    """PyTorch documents ``DDPCommHookType.X.value(model=..., state=...)``: the values are callables."""
+    class Model:
+        def register_comm_hook(self, state, hook):
+            self.registered = (state, hook)
+
+    model = Model()
+    DDPCommHookType.FP16_COMPRESS.value(model=model, state="group")
+    assert model.registered == ("group", default_hooks.fp16_compress_hook)
+    DDPCommHookType.BATCHED_POWER_SGD_RANK2.value(model=model, state=None)
+    state, hook = model.registered
+    assert hook is ddp_comm_hooks.powerSGD.batched_powerSGD_hook
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter) == (2, 1_000)

@@ -7,8 +7,10 @@ docs/design/ddp.md).
 """
 
 import enum
+from functools import partial
 
 from . import debugging_hooks, default_hooks, powerSGD_hook
+debugging, default, powerSGD = debugging_hooks, default_hooks, powerSGD_hook  # PyTorch's short names too
 from .default_hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -20,7 +22,7 @@ from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook
 
 __all__ = [
     "BuiltinCommHookType", "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook", "debugging_hooks",
-    "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper",
+    "debugging", "default", "powerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper",
     "PowerSGDState", "batched_powerSGD_hook",
 ]
 
@@ -33,40 +35,45 @@ class BuiltinCommHookType(enum.Enum):
     FP16_COMPRESS = 1
 
 
+def _ddp_comm_hook_wrapper(comm_hook, model, state) -> None:
+    model.register_comm_hook(state, comm_hook)
+
+
+def _powerSGD_comm_hook_wrapper(comm_hook, model, state, matrix_approximation_rank: int,
+                                start_powerSGD_iter: int = 1_000) -> None:
+    """PowerSGD by type: ``state`` is the process group, as for the other types."""
+    powerSGD_state = PowerSGDState(process_group=state, matrix_approximation_rank=matrix_approximation_rank,
+                                   start_powerSGD_iter=start_powerSGD_iter)
+    model.register_comm_hook(powerSGD_state, comm_hook)
+
+
+# A partial is an Enum member only when wrapped (Python 3.13 warns, later ones will make it
+# a method); enum.member is new in 3.11, and 3.10 takes a bare partial as a member.
+_member = getattr(enum, "member", lambda value: value)
+
+
 class DDPCommHookType(enum.Enum):
-    """The built-in hooks, by name (``register_ddp_comm_hook``)."""
+    """The built-in hooks by name; as in PyTorch, each value registers its hook when called:
+    ``DDPCommHookType.FP16_COMPRESS.value(model=ddp_model, state=process_group)``."""
 
-    ALLREDUCE = "allreduce"
-    FP16_COMPRESS = "fp16_compress"
-    BF16_COMPRESS = "bf16_compress"
-    POWER_SGD = "power_sgd"
-    POWER_SGD_RANK2 = "power_sgd_rank2"
-    BATCHED_POWER_SGD = "batched_power_sgd"
-    BATCHED_POWER_SGD_RANK2 = "batched_power_sgd_rank2"
-    NOOP = "noop"
-
-
-_SIMPLE = {
-    DDPCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-    DDPCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
-    DDPCommHookType.BF16_COMPRESS: default_hooks.bf16_compress_hook,
-    DDPCommHookType.NOOP: debugging_hooks.noop_hook,
-}
-_POWER_SGD = {
-    DDPCommHookType.POWER_SGD: (powerSGD_hook.powerSGD_hook, 1),
-    DDPCommHookType.POWER_SGD_RANK2: (powerSGD_hook.powerSGD_hook, 2),
-    DDPCommHookType.BATCHED_POWER_SGD: (powerSGD_hook.batched_powerSGD_hook, 1),
-    DDPCommHookType.BATCHED_POWER_SGD_RANK2: (powerSGD_hook.batched_powerSGD_hook, 2),
-}
+    ALLREDUCE = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.allreduce_hook))
+    FP16_COMPRESS = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.fp16_compress_hook))
+    BF16_COMPRESS = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.bf16_compress_hook))
+    POWER_SGD = _member(partial(_powerSGD_comm_hook_wrapper, comm_hook=powerSGD_hook.powerSGD_hook,
+                                matrix_approximation_rank=1))
+    POWER_SGD_RANK2 = _member(partial(_powerSGD_comm_hook_wrapper, comm_hook=powerSGD_hook.powerSGD_hook,
+                                      matrix_approximation_rank=2))
+    BATCHED_POWER_SGD = _member(partial(_powerSGD_comm_hook_wrapper, comm_hook=powerSGD_hook.batched_powerSGD_hook,
+                                        matrix_approximation_rank=1))
+    BATCHED_POWER_SGD_RANK2 = _member(partial(_powerSGD_comm_hook_wrapper,
+                                              comm_hook=powerSGD_hook.batched_powerSGD_hook,
+                                              matrix_approximation_rank=2))
+    NOOP = _member(partial(_ddp_comm_hook_wrapper, comm_hook=debugging_hooks.noop_hook))
 
 
 def register_ddp_comm_hook(comm_hook_type: DDPCommHookType, model, state=None) -> None:
     """Register the built-in hook ``comm_hook_type`` on DDP ``model``; ``state`` is the process group."""
-    if comm_hook_type in _SIMPLE:
-        model.register_comm_hook(state, _SIMPLE[comm_hook_type])
-        return
-    if comm_hook_type not in _POWER_SGD:
+    if not isinstance(comm_hook_type, DDPCommHookType):
         raise ValueError(f"unknown DDP comm hook type {comm_hook_type!r}; expected one of "
                          f"{[t.name for t in DDPCommHookType]}")
-    hook, rank = _POWER_SGD[comm_hook_type]
-    model.register_comm_hook(PowerSGDState(process_group=state, matrix_approximation_rank=rank), hook)
+    comm_hook_type.value(model=model, state=state)
