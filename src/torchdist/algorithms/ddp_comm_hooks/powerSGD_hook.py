@@ -27,9 +27,9 @@ larger operations, lower accuracy.
 
 import logging
 import math
-import random
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from ..._c10d.collectives import all_reduce
@@ -97,7 +97,9 @@ class PowerSGDState:
         self.use_error_feedback = use_error_feedback
         self.warm_start = warm_start
         self.orthogonalization_epsilon = orthogonalization_epsilon
-        self.rng = random.Random(random_seed)  # same seed on every rank: same random Q everywhere
+        # Same seed on every rank: same random Q everywhere. numpy's generator, as PyTorch's,
+        # so that the same seed draws the same Qs as PyTorch's hook (and state.rng works alike).
+        self.rng = np.random.RandomState(random_seed)
         self.error_dict: dict[int, torch.Tensor] = {}
         self.p_memory_dict: dict[int, torch.Tensor] = {}
         self.q_memory_dict: dict[int, torch.Tensor] = {}
@@ -113,7 +115,7 @@ class PowerSGDState:
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
 
     def __setstate__(self, state: dict) -> None:
-        self.process_group = WORLD.default_pg
+        self.process_group = WORLD.require_default()
         logger.warning("NOTE: Process group will be set to a default group (i.e. the world size). If a different "
                        "group is desired, please set `self.process_group` after PowerSGD state is loaded.")
         for slot, value in state.items():
@@ -132,7 +134,7 @@ class PowerSGDState:
         return rate, self.total_numel_before_compression, after
 
     def _random_seed(self) -> int:
-        return self.rng.randint(0, 1_000_000_000)
+        return int(self.rng.randint(1_000_000_000))
 
     def _report(self, bucket: GradBucket) -> None:
         if bucket.is_last() and self.iter >= self.next_stats_report:
@@ -193,6 +195,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     if randomize:
         state.p_memory_dict[index] = torch.empty(total_p, dtype=dtype)
         state.q_memory_dict[index] = torch.empty(total_q, dtype=dtype)
+    # Held here, not looked up again: without warm start, an earlier bucket's decompress
+    # (a future callback, maybe on another thread) clears the dicts while this hook runs.
+    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
 
     by_shape: dict[torch.Size, list[torch.Tensor]] = defaultdict(list)
     for matrix in to_compress:
@@ -208,8 +213,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     for batch in batches:
         b, n, m = batch.shape
         r = min(n, m, state.matrix_approximation_rank)
-        ps.append(state.p_memory_dict[index][p_at:p_at + b * n * r].view(b, n, r))
-        qs.append(state.q_memory_dict[index][q_at:q_at + b * m * r].view(b, m, r))
+        ps.append(p_memory[p_at:p_at + b * n * r].view(b, n, r))
+        qs.append(q_memory[q_at:q_at + b * m * r].view(b, m, r))
         p_at += b * n * r
         q_at += b * m * r
     if randomize:
@@ -225,12 +230,12 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
 
     # The uncompressed tensors and P go out together; Q needs the reduced P.
     uncompressed_fut = _allreduce_future(flat_uncompressed, group)
-    _allreduce_future(state.p_memory_dict[index], group).wait()
+    _allreduce_future(p_memory, group).wait()
     for p in ps:
         _orthogonalize(p, state.orthogonalization_epsilon)
     for batch, p, q in zip(batches, ps, qs):
         torch.bmm(batch.transpose(1, 2), p, out=q)
-    q_fut = _allreduce_future(state.q_memory_dict[index], group)
+    q_fut = _allreduce_future(q_memory, group)
 
     def decompress(_) -> torch.Tensor:
         reduced = uncompressed_fut.value()[0].div_(world_size)
@@ -238,7 +243,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         for tensor in uncompressed:
             tensor.copy_(reduced[at:at + tensor.numel()].view_as(tensor))
             at += tensor.numel()
-        state.q_memory_dict[index].div_(world_size)
+        q_memory.div_(world_size)
         for p, q, batch in zip(ps, qs, batches):
             torch.bmm(p, q.transpose(1, 2), out=batch)
         if state.batch_tensors_with_same_shape:
@@ -269,8 +274,8 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     total = input_tensor.numel()
     side = math.ceil(math.sqrt(total))
     r = min(side, state.matrix_approximation_rank)
-    state.total_numel_before_compression += side * side
-    state.total_numel_after_compression += side * r * 2
+    state.total_numel_before_compression += total  # PyTorch's counts: the bucket, not the padded square
+    state.total_numel_after_compression += side * state.matrix_approximation_rank * 2
     state._report(bucket)
     padded = torch.zeros(side * side, dtype=input_tensor.dtype)
     padded[:total].copy_(input_tensor)
