@@ -45,6 +45,47 @@ def test_hook_future_value_becomes_the_gradient():
             assert torch.equal(g, 2 * torch.ones_like(g))
 
 
+def _hook_fails_once_then_trains(rank, world_size, longer):
+    calls = []
+
+    def flaky(state_, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls.append(bucket.index())
+        if len(calls) == 1:
+            fut = torch.futures.Future()
+            fut.set_exception(ValueError("transient failure"))
+            return fut
+        averaged = default_hooks.allreduce_hook(None, bucket)
+        if longer:  # a longer result gives its leading elements, as in PyTorch
+            return averaged.then(lambda f: torch.cat([f.value(), torch.full((3,), 7.0)]))
+        return averaged
+
+    ddp = DDP(build("mlp"))
+    ddp.register_comm_hook(None, flaky)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    batches = full_batches("mlp", world_size, 4)
+    with pytest.raises(ValueError, match="transient failure"):
+        F.cross_entropy(ddp(shard(batches[0][0], rank)), shard(batches[0][1], rank)).backward()
+    for x, y in batches[1:]:
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+    return state(ddp)
+
+
+@pytest.mark.parametrize("longer", [False, True], ids=["same-size", "longer-result"])
+def test_a_failed_hook_future_fails_its_iteration_only(longer):
+    """The next forward raised "Expected to have finished reduction" for ever after."""
+    model = build("mlp")  # the reference skips the failed step
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in full_batches("mlp", 2, 4)[1:]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    want = state(model)
+    for got in run_ranks(_hook_fails_once_then_trains, 2, args=(longer,), backend="gloo"):
+        assert_close_states(got, want)
+
+
 def _train_with_hook(rank, world_size, hook_type, steps):
     ddp = DDP(build("mlp"), bucket_cap_mb=0.002)
     register_ddp_comm_hook(DDPCommHookType[hook_type], ddp)

@@ -517,22 +517,17 @@ class Reducer:
             logger.debug("reducer: backward ended with %d of %d buckets reduced", self._next_bucket,
                          len(self._buckets))
             return  # some parameter got no gradient: the next forward raises
-        if self._used_work is None:
-            for bucket in self._buckets:  # write each bucket back while the next ones are in flight
-                self._wait_bucket(bucket)
-                self._write_back(bucket, self._global_used)
-        else:  # which gradients to write depends on the used-parameter bitmap, reduced last
-            for bucket in self._buckets:
-                self._wait_bucket(bucket)
-            self._used_work.wait()
-            used = [c > 0 for c in self._locally_used.tolist()]
-            self._locally_used.zero_()  # the next count starts after this reduction (no_sync ones too)
-            if self._static:
-                self._global_used = used
-            for bucket in self._buckets:
-                self._write_back(bucket, used)
-        self._expect_hooks = False
-        self._require_finalize = False
+        try:
+            self._collect()
+        except BaseException:
+            # A comm hook's future failed (or the group broke). As in PyTorch, the error is
+            # this iteration's: the next one starts afresh, once the buckets' other ops,
+            # which write into the buckets, have finished.
+            self._drain()
+            raise
+        finally:
+            self._expect_hooks = False
+            self._require_finalize = False
         self.num_backward += 1
         if self._static and not self._static_done:
             self._static_done = True
@@ -540,6 +535,35 @@ class Reducer:
         if self._should_rebuild() and self._rebuild_order is None:
             seen = set(self._arrival)
             self._rebuild_order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
+
+    def _collect(self) -> None:
+        """Wait for every bucket and write the reduced gradients to ``.grad``."""
+        if self._used_work is None:
+            for bucket in self._buckets:  # write each bucket back while the next ones are in flight
+                self._wait_bucket(bucket)
+                self._write_back(bucket, self._global_used)
+            return
+        # which gradients to write depends on the used-parameter bitmap, reduced last
+        for bucket in self._buckets:
+            self._wait_bucket(bucket)
+        self._used_work.wait()
+        used = [c > 0 for c in self._locally_used.tolist()]
+        self._locally_used.zero_()  # the next count starts after this reduction (no_sync ones too)
+        if self._static:
+            self._global_used = used
+        for bucket in self._buckets:
+            self._write_back(bucket, used)
+
+    def _drain(self) -> None:
+        """Wait out every op of this iteration, whatever it raises (the caller reports the first error)."""
+        pending = [bucket.work or bucket.future for bucket in self._buckets] + [self._used_work]
+        for item in pending:
+            if item is not None:
+                try:
+                    item.wait()
+                except Exception:  # noqa: BLE001 - the same failure, or one that follows from it
+                    pass
+        self._locally_used.zero_()
 
     def _delayed_reduce(self) -> None:
         """Static graph, first iteration: reduce every bucket now that the hook counts are known
@@ -555,12 +579,13 @@ class Reducer:
             return
         value = bucket.future.wait()
         result = value[0] if isinstance(value, (list, tuple)) else value
-        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+        # A longer tensor gives its leading elements, as PyTorch's reducer takes it.
+        if not isinstance(result, torch.Tensor) or result.numel() < bucket.buffer.numel():
             raise RuntimeError(
                 f"DDP communication hook: the future of bucket {bucket.index} must hold a tensor of "
                 f"{bucket.buffer.numel()} elements (or a list whose first element is one), got {value!r:.200}")
         if result.data_ptr() != bucket.buffer.data_ptr():
-            bucket.buffer.copy_(result.view(-1))
+            bucket.buffer.copy_(result.reshape(-1)[:bucket.buffer.numel()])
 
     def _write_back(self, bucket: Bucket, used: list[bool] | None) -> None:
         """Make ``.grad`` of the bucket's parameters hold the reduced gradients."""
