@@ -320,6 +320,32 @@ def test_monitored_barrier_passes_and_names_missing_ranks():
     assert "received errors while waiting for send/recv from rank 0" in results[3], results[3]
 
 
+def _late_then_on_time(rank, world):
+    """Rank 2 misses the first monitored barrier; everyone makes the second."""
+    outcomes = []
+    for late in (2, None):
+        if rank == late:
+            time.sleep(2)
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=1))
+            outcomes.append("passed")
+        except dist.DistBackendError as exc:
+            outcomes.append(str(exc))
+    return outcomes
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_monitored_barrier_that_gives_up_breaks_the_group_on_every_rank(backend):
+    """Its receives stayed posted: the next barrier's messages went to them, and rank 0
+    passed it while the others timed out. Now it breaks the group, as gloo's closes
+    its connections, and every rank raises at the next call."""
+    results = run_ranks(_late_then_on_time, 3, backend=backend, timeout=60)
+    assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in results[0][0], results[0]
+    for rank, (first, second) in enumerate(results):
+        assert first != "passed", rank
+        assert "the group is broken by an earlier error" in second, (rank, second)
+
+
 def _mismatch_then_broken(rank, world):
     t = torch.ones(4)
     start = time.monotonic()

@@ -158,15 +158,18 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     backend = pg.backend
     token = torch.zeros(1, dtype=torch.uint8)
+    # A barrier that gives up breaks the group (as gloo's, which closes its connections):
+    # its receives stay posted, and would take the next barrier's messages.
     if pg.rank() != 0:
         backend.send(token, 0, _MONITORED_BARRIER_TAG).wait()
         try:
             backend.recv(torch.zeros(1, dtype=torch.uint8), 0, _MONITORED_BARRIER_ACK_TAG).wait(seconds)
         except DistBackendError as exc:
-            raise DistBackendError(
+            error = DistBackendError(
                 f"monitored_barrier: rank {pg.global_ranks[pg.rank()]} received errors while waiting for "
-                f"send/recv from rank {pg.global_ranks[0]}: {exc}"
-            ) from exc
+                f"send/recv from rank {pg.global_ranks[0]}: {exc}")
+            backend.fail("monitored_barrier", error)
+            raise error from exc
         return
     deadline = time.monotonic() + seconds
     pending = {peer: backend.recv(torch.zeros(1, dtype=torch.uint8), peer, _MONITORED_BARRIER_TAG)
@@ -187,7 +190,10 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
         why = f" ({causes[0]})" if causes else ""
         if wait_all_ranks:
             names = ", ".join(map(str, missing))
-            raise DistBackendError(f"Ranks {names} failed to pass monitoredBarrier in {ms} ms{why}")
-        raise DistBackendError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms{why}")
+            error = DistBackendError(f"Ranks {names} failed to pass monitoredBarrier in {ms} ms{why}")
+        else:
+            error = DistBackendError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms{why}")
+        backend.fail("monitored_barrier", error)
+        raise error
     for peer in range(1, pg.size()):
         backend.send(token, peer, _MONITORED_BARRIER_ACK_TAG).wait()

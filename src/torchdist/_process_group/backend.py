@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 
+from ..errors import DistBackendError
 from .reduce_op import ReduceOp
 from .work import Work
 
@@ -134,6 +135,12 @@ class ProcessGroupBackend:
     def abort(self) -> None:
         """Tear down at once, failing whatever is in flight."""
         self.shutdown()
+
+    def fail(self, op_name: str, error: DistBackendError) -> None:
+        """Break the group with ``error``, which ``op_name`` found above the backend (a
+        monitored barrier that gave up): what is in flight fails, the peers are told, and
+        later calls raise. Without a way to tell the peers, a backend aborts."""
+        self.abort()
 
     def quiesce(self) -> None:
         """At interpreter exit: let queued and running ops finish and stop background

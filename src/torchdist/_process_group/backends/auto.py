@@ -44,6 +44,7 @@ from datetime import timedelta
 
 import torch
 
+from ...errors import DistBackendError
 from ..._algorithms.comm import Comm
 from ..._algorithms.reduction import average
 from ..._store.prefix_store import PrefixStore
@@ -175,6 +176,9 @@ class HierarchicalBackend(ProcessGroupBackend):
     def abort(self) -> None:
         for backend in self._parts():
             backend.abort()
+
+    def fail(self, op_name: str, error: DistBackendError) -> None:
+        self.flat.fail(op_name, error)  # which breaks the sub-groups (on_break)
 
     def quiesce(self) -> None:
         for backend in self._parts():

@@ -449,6 +449,14 @@ class TcpBackend(ProcessGroupBackend):
             break
         self._p2p = [w for w in self._p2p if not w._done.is_set()]
 
+    def fail(self, op_name: str, error: DistBackendError) -> None:
+        def body(work: _OpWork, seq: int) -> None:
+            raise error  # _failure breaks the group, on the thread that drives the transport
+        try:
+            self._issue_op(op_name, [], False, body).wait()
+        except DistError:
+            pass  # ``error``, or the group was broken already
+
     # -- lifecycle ---------------------------------------------------------------------
     def shutdown(self) -> None:
         """Let queued and running ops finish (within their timeouts: gloo's destructor,
