@@ -195,13 +195,15 @@ print("leaving", flush=True)
 """
 
 
-def _run_two_ranks(script: str) -> list[tuple[int, str]]:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+def _run_ranks_as_programs(script: str, world: int = 2) -> list[tuple[int, str]]:
+    """Run ``script`` as ``world`` programs (env://), as a launcher would: each exits as
+    a program does, through the interpreter's exit (harness workers do not)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1")
     # Each rank leads a session of its own, so that processes it forked die with it.
     procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(rank)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for rank in range(2)]
+             for rank in range(world)]
     try:
         outputs = [proc.communicate(timeout=60)[0] for proc in procs]
     finally:
@@ -214,10 +216,32 @@ def _run_two_ranks(script: str) -> list[tuple[int, str]]:
     return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
 
 
+_STORE_HOST_EXITS_BEFORE_A_GROUP_IT_IS_NOT_IN = """
+import torch, torchdist as dist
+dist.init_process_group({backend!r})
+group = dist.new_group([1, 2, 3])
+if dist.get_rank() != 0:  # rank 0, which hosts the store, leaves at once without destroying anything
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    print("sum", t.item(), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["tcp", "auto"])
+def test_the_store_host_lets_the_ranks_still_running_finish_with_its_store(backend: str) -> None:
+    """The members bootstrap their group through the store: a host that stopped it at
+    exit made them fail (ConnectionResetError), 5 runs in 5."""
+    results = _run_ranks_as_programs(_STORE_HOST_EXITS_BEFORE_A_GROUP_IT_IS_NOT_IN.format(backend=backend), 4)
+    for rank, (returncode, output) in enumerate(results):
+        assert returncode == 0, (rank, output)
+        assert rank == 0 or "sum 3.0" in output, (rank, output)
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_exit_with_an_async_op_never_waited_on_is_clean(backend: str) -> None:
     for _ in range(2):
-        for returncode, output in _run_two_ranks(_EXIT_WITH_ASYNC_WORK.format(backend=backend)):
+        for returncode, output in _run_ranks_as_programs(_EXIT_WITH_ASYNC_WORK.format(backend=backend)):
             assert returncode == 0 and "leaving" in output, output
 
 
@@ -225,7 +249,7 @@ def test_exit_with_an_async_op_never_waited_on_is_clean(backend: str) -> None:
 def test_exit_waits_for_a_future_callback_still_running(backend: str) -> None:
     # A daemon thread inside torch code when the interpreter finalizes aborts the
     # process ("terminate called without an active exception").
-    for returncode, output in _run_two_ranks(_EXIT_WITH_A_CALLBACK_RUNNING.format(backend=backend)):
+    for returncode, output in _run_ranks_as_programs(_EXIT_WITH_A_CALLBACK_RUNNING.format(backend=backend)):
         assert returncode == 0 and "callback done" in output and "leaving" in output, output
 
 
@@ -274,5 +298,5 @@ def test_a_forked_child_exits_at_once(backend: str) -> None:
     # A forked child (a DataLoader worker, a helper process) that exits normally runs the
     # exit handlers on its copies of the groups and callback threads, whose ops and
     # callbacks are the parent's: waiting for them, it would wait for ever.
-    for returncode, output in _run_two_ranks(_FORKED_CHILD_EXITS.format(backend=backend)):
+    for returncode, output in _run_ranks_as_programs(_FORKED_CHILD_EXITS.format(backend=backend)):
         assert returncode == 0 and "child 0 quick" in output, output

@@ -200,7 +200,11 @@ def _quiesce_at_exit() -> None:
     """Finish every live group's outstanding ops and stop its threads before the
     interpreter finalizes (an async op never waited on still runs; gloo finishes
     them too), and let running future callbacks return. Groups the program
-    destroyed are gone from the registry already."""
+    destroyed are gone from the registry already.
+
+    A process that hosts the job's TCPStore then lets the other ranks hang up first, as
+    destroy_process_group does: ranks still running may need it (to create a group
+    this rank is not in, say), and would fail on a store that vanished under them."""
     for pg in list(WORLD.groups.values()):
         try:
             pg._backend.quiesce()
@@ -208,6 +212,11 @@ def _quiesce_at_exit() -> None:
             logger.debug("quiescing %r at exit failed", pg, exc_info=True)
     if not settle_future_callbacks(_EXIT_CALLBACKS_S):
         logger.warning("a future callback was still running %.0f s into the interpreter's exit", _EXIT_CALLBACKS_S)
+    if WORLD.owns_store:
+        try:
+            _close_store(WORLD.store)
+        except Exception:  # noqa: BLE001 - never fail an exit
+            logger.debug("closing the store at exit failed", exc_info=True)
 
 
 def _tear_down() -> None:
