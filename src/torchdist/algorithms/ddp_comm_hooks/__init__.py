@@ -10,7 +10,6 @@ import enum
 from functools import partial
 
 from . import debugging_hooks, default_hooks, powerSGD_hook
-debugging, default, powerSGD = debugging_hooks, default_hooks, powerSGD_hook  # PyTorch's short names too
 from .default_hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -20,10 +19,12 @@ from .default_hooks import (
 )
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook
 
+debugging, default, powerSGD = debugging_hooks, default_hooks, powerSGD_hook  # PyTorch's short names too
+
 __all__ = [
     "BuiltinCommHookType", "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook", "debugging_hooks",
-    "debugging", "default", "powerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper",
-    "PowerSGDState", "batched_powerSGD_hook",
+    "debugging", "default", "powerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+    "fp16_compress_wrapper", "bf16_compress_wrapper", "PowerSGDState", "batched_powerSGD_hook",
 ]
 
 
