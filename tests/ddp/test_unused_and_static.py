@@ -8,7 +8,6 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from torchdist._ddp.reducer import reached_leaves
