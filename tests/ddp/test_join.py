@@ -15,28 +15,39 @@ from torchdist.testing import run_ranks
 from ._common import LR, TOL, build, full_batches, shard, state
 
 
-def _uneven(rank, world_size, divide_by_initial, model="mlp", hook=None):
+def _iterations(world_size, iterations=None):
+    return iterations or [2 + 2 * r for r in range(world_size)]  # by default rank r runs 2 + 2r
+
+
+def _uneven(rank, world_size, divide_by_initial, model="mlp", hook=None, iterations=None, after=0):
+    """Rank r trains ``iterations[r]`` steps inside the join, then every rank ``after`` more."""
     # "mlp": tiny buckets; "wide": a ~300 KiB coalesced bucket, in symmetric memory on shm,
     # which the joined ranks must shadow with a tensor at the same place
     ddp = DDP(build(model), bucket_cap_mb=0.002 if model == "mlp" else 25)
     if hook is not None:
         ddp.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    batches = full_batches(model, world_size, 2 + 2 * rank)  # rank r runs 2 + 2r iterations
+    iterations = _iterations(world_size, iterations)
+    batches = full_batches(model, world_size, max(iterations) + after)
+
+    def step(x, y):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
     with ddp.join(divide_by_initial_world_size=divide_by_initial):
-        for x, y in batches:
-            opt.zero_grad()
-            F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
-            opt.step()
+        for x, y in batches[:iterations[rank]]:
+            step(x, y)
+    for x, y in batches[max(iterations):]:
+        step(x, y)
     return state(ddp)
 
 
-def _reference(world_size, divide_by_initial, name="mlp"):
+def _reference(world_size, divide_by_initial, name="mlp", iterations=None, after=0):
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    iters = [2 + 2 * r for r in range(world_size)]
-    for i, (x, y) in enumerate(full_batches(name, world_size, max(iters))):
-        active = [r for r in range(world_size) if iters[r] > i]
+    iters = _iterations(world_size, iterations)
+    for i, (x, y) in enumerate(full_batches(name, world_size, max(iters) + after)):
+        active = [r for r in range(world_size) if iters[r] > i or i >= max(iters)]
         divisor = world_size if divide_by_initial else len(active)
         opt.zero_grad()
         sum(F.cross_entropy(model(shard(x, r)), shard(y, r)) for r in active).div(divisor).backward()
@@ -51,6 +62,19 @@ def test_join_with_uneven_inputs_finishes_and_matches(world_size, divide_by_init
     want = _reference(world_size, divide_by_initial)
     # the last rank to join trained on every iteration: it matches the reference;
     # the post hook then gives every rank its parameters
+    for rank, got in enumerate(results):
+        for k, v in want.items():
+            torch.testing.assert_close(got["module." + k], v, **TOL, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+@pytest.mark.parametrize("iterations", [(0, 2), (1, 2), (0, 3, 1)], ids=str)
+def test_join_averaging_over_active_ranks_then_training_on(iterations):
+    """divide_by_initial_world_size=False: a rank that joined before any forward of its own
+    shadowed with AVG while the others summed (a collective mismatch), and after the join
+    each rank divided by the last count it had seen (gradients 1.5x at world 2)."""
+    world_size = len(iterations)
+    results = run_ranks(_uneven, world_size, args=(False, "mlp", None, list(iterations), 2), backend="gloo")
+    want = _reference(world_size, False, iterations=list(iterations), after=2)
     for rank, got in enumerate(results):
         for k, v in want.items():
             torch.testing.assert_close(got["module." + k], v, **TOL, msg=lambda m: f"rank {rank} {k}: {m}")

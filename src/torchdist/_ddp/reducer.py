@@ -254,7 +254,8 @@ class Reducer:
         return self._comm_hook is not None
 
     def set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
-        """Join: the forward's all-reduce of ones counts the ranks that have not joined."""
+        """Join: the forward's all-reduce of ones counts the ranks that have not joined
+        (None outside a join: all ranks take part)."""
         self._join_work = work
         self._divide_by_initial_world_size = divide_by_initial_world_size
 

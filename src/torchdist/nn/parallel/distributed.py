@@ -76,6 +76,8 @@ class _DDPJoinHook(JoinHook):
     def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        # A rank that joins before any forward of its own shadows with this setting too.
+        ddp.reducer.set_forward_pass_work_handle(None, divide_by_initial_world_size)
 
     def main_hook(self) -> None:
         ddp = self.ddp
@@ -265,9 +267,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
             self.reducer.prepare_for_forward()
+        # Inside a join: the count of ranks still active (None outside one, which drops the
+        # last join's count: every rank is active again).
         work = Join.notify_join_context(self)
-        if work is not None:
-            self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
+        self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
             self._has_rebuilt_buckets = True
         if self._check_sync_bufs_pre_fwd():
