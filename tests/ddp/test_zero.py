@@ -76,6 +76,25 @@ def test_load_state_dict_round_trips():
             torch.testing.assert_close(again["state"][i][key], value)
 
 
+def _lr_changed_after_a_step(rank, world_size):
+    model = build("mlp")
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    scheduler.step()  # lr 0.05, set on the front's param_groups
+    opt.consolidate_state_dict(to=0)
+    after_scheduler = opt.state_dict()["param_groups"][0]["lr"] if rank == 0 else None
+    opt.param_groups[0]["lr"] = 0.123  # by hand, after consolidating
+    by_hand = opt.state_dict()["param_groups"][0]["lr"] if rank == 0 else None
+    return after_scheduler, by_hand
+
+
+def test_state_dict_holds_the_learning_rate_of_today_as_pytorchs():
+    """It held the lr of the last step (0.1), so a checkpoint resumed with a stale lr."""
+    assert run_ranks(_lr_changed_after_a_step, 2, backend="gloo")[0] == (0.05, 0.123)
+
+
 def _groups_and_errors(rank, world_size):
     opt = ZeroRedundancyOptimizer(build("mlp").parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     try:

@@ -185,6 +185,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # -- state dicts ----------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state on group rank ``to``; call it on every rank."""
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)  # e.g. a scheduler changed lr
         local = self.optim.state_dict()
         gathered: list | None = [None] * self.world_size if self.rank == to else None
         gather_object(local, gathered, group=self.process_group, group_dst=to)
@@ -205,10 +206,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for local_index, p in enumerate(local_params):
                 if local_index in local["state"]:
                     state[global_index[id(p)]] = local["state"][local_index]
-        reference = self._all_state_dicts[self.rank]["param_groups"]
         param_groups = []
-        for group, local_group in zip(self.param_groups, reference):
-            entry = {k: v for k, v in local_group.items() if k != "params"}
+        for group in self.param_groups:  # today's hyperparameters, as the caller sees them
+            entry = {k: v for k, v in group.items() if k != "params"}
             entry["params"] = [global_index[id(p)] for p in group["params"]]
             param_groups.append(entry)
         return {"state": dict(sorted(state.items())), "param_groups": param_groups}
