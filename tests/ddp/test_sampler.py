@@ -61,6 +61,14 @@ def test_invalid_rank_raises():
         DistributedSampler(range(4))
 
 
+def test_a_dataset_that_grew_fails_pytorchs_assertion():
+    data = list(range(12))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    data.extend(range(12, 27))
+    with pytest.raises(AssertionError, match=r"Number of indices \(\d+\) does not match total_size \(12\)"):
+        iter(sampler)
+
+
 def _defaults(rank, world_size):
     import torchdist
 

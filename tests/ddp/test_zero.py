@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,20 @@ def _lr_changed_after_a_step(rank, world_size):
 def test_state_dict_holds_the_learning_rate_of_today_as_pytorchs():
     """It held the lr of the last step (0.1), so a checkpoint resumed with a stale lr."""
     assert run_ranks(_lr_changed_after_a_step, 2, backend="gloo")[0] == (0.05, 0.123)
+
+
+def _factory(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = ZeroRedundancyOptimizer(model.parameters(), functools.partial(torch.optim.SGD, momentum=0.9), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    return type(opt.optim).__name__, opt.optim.defaults["momentum"], model.weight.detach().clone()
+
+
+def test_optimizer_class_may_be_a_factory_as_in_pytorch():
+    first, second = run_ranks(_factory, 2, backend="gloo")
+    assert first[:2] == ("SGD", 0.9) and torch.equal(first[2], second[2])
 
 
 def _groups_and_errors(rank, world_size):

@@ -94,8 +94,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True (stepping inside DDP's comm hook) is "
                              "not supported by torchdist; see docs/design/ddp.md. Pass overlap_with_ddp=False.")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if not callable(optimizer_class):  # a class, or a factory (functools.partial), as in PyTorch
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a callable that makes "
+                            f"one, got {optimizer_class!r}")
         self._initialized = False
         self.process_group = process_group if process_group is not None else WORLD.require_default()
         self.world_size = self.process_group.size()

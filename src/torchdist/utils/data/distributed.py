@@ -71,13 +71,10 @@ class DistributedSampler(Sampler[T_co]):
                 indices += (indices * math.ceil(padding / len(indices)))[:padding]
         else:
             indices = indices[:self.total_size]
-        if len(indices) != self.total_size:
-            raise RuntimeError(f"DistributedSampler: built {len(indices)} indices, expected {self.total_size}")
-        own = indices[self.rank:self.total_size:self.num_replicas]
-        if len(own) != self.num_samples:
-            raise RuntimeError(f"DistributedSampler: rank {self.rank} got {len(own)} indices, expected "
-                               f"{self.num_samples}")
-        return iter(own)
+        if len(indices) != self.total_size:  # PyTorch's assertion, and why it fails
+            raise AssertionError(f"Number of indices ({len(indices)}) does not match total_size ({self.total_size}): "
+                                 "the dataset's length changed after the DistributedSampler was made; make a new one")
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
 
     def __len__(self) -> int:
         return self.num_samples
