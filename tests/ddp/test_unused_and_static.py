@@ -125,8 +125,8 @@ def test_an_output_left_out_of_the_loss_leaves_its_gradients_none():
 
 
 class _Node:
-    """An autograd node whose Python wrapper lives only while referenced, as in torch 2.11
-    (torch 2.13 keeps a node's wrapper alive as long as the node)."""
+    """An autograd node whose Python wrapper lives only while referenced, as torch's do
+    (torch 2.13's allocation pattern happened to hide the reused ids; 2.11's did not)."""
 
     def __init__(self, *children: "_Node", variable: torch.Tensor | None = None) -> None:
         self.children, self.variable = children, variable

@@ -104,10 +104,10 @@ def _grad_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[tor
 def reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
     """The ids of the leaf tensors (parameters) that the autograd graph of ``outputs`` reaches."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    # Keyed by id, holding each node's Python wrapper: torch may free a node's wrapper
-    # once nothing references it and make a new one at the next access (torch 2.11
-    # does), and a freed wrapper's id goes to the next wrapper made, which would then
-    # look seen, and its branch would be skipped.
+    # Keyed by id, holding each node's Python wrapper: torch frees a node's wrapper once
+    # nothing references it and makes a new one at the next access, and a freed
+    # wrapper's id may go to the next wrapper made, which would then look seen, and its
+    # branch would be skipped (it did under torch 2.11).
     seen = {id(fn): fn for fn in stack}
     reached: set[int] = set()
     while stack:
