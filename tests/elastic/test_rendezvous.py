@@ -63,6 +63,28 @@ def test_two_nodes_form_one_round_with_distinct_ranks():
         b.shutdown(), a.shutdown()
 
 
+def test_c10d_ranks_follow_the_sorted_node_ids_so_a_restart_keeps_them():
+    # torch sorts the participants' descriptors (address, pid, id); ranks that followed
+    # join order swapped when the other node joined first after a restart.
+    port = free_port()
+    a, b = _handler(port, 2, 2), _handler(port, 2, 2)
+    first, second = sorted([a, b], key=lambda h: h.node_id)
+    try:
+        rounds = []
+        for joins_first, joins_last in ((first, second), (second, first)):
+            def late(handler=joins_last):
+                time.sleep(0.3)  # the other node's slot is taken first
+                return handler.next_rendezvous(1)
+            early, later = _in_threads(lambda handler=joins_first: handler.next_rendezvous(1), late)
+            ranks = {joins_first.node_id: early.group_rank, joins_last.node_id: later.group_rank}
+            rounds.append((ranks[first.node_id], ranks[second.node_id]))
+            if len(rounds) == 1:
+                joins_first.request_restart("second round")
+        assert rounds == [(0, 1), (0, 1)]
+    finally:
+        b.shutdown(), a.shutdown()
+
+
 def test_late_node_waits_then_joins_the_next_round():
     port = free_port()
     a = _handler(port)

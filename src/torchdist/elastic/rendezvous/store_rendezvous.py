@@ -24,7 +24,7 @@ others see ``r+1``), then joins::
     poll: joined == max_nodes                      -> close the round with max_nodes
           joined >= min_nodes for last_call_timeout -> close it with ``joined``
           (close = compare_set("r<r>/closed", "", n): the first closer decides n)
-    slot < n  -> a participant; group rank = slot (c10d) or node rank (static)
+    slot < n  -> a participant; group rank = place in the sorted (host, node id)s (c10d) or node rank (static)
     slot >= n -> late: add("r<r>/waiting", 1) and wait for round r+1
 
 Node 0 of the round clears the workers' keys, then sets ``r<r>/ready``; the others
@@ -222,6 +222,8 @@ class StoreRendezvousHandler(RendezvousHandler):
                     "give every launcher a distinct --node-rank"
                 )
             nodes.sort(key=lambda n: n.node_rank)
+        else:  # as torch's c10d rendezvous: by descriptor, so the same nodes keep their ranks across rounds
+            nodes.sort(key=lambda n: (n.host, n.node_id))
         group_rank = next(i for i, n in enumerate(nodes) if n.node_id == self._node_id)
         self._round, self._participants, self._beats, self._last_scan, self._lost = r, tuple(nodes), {}, 0.0, []
         if group_rank == 0:
