@@ -14,7 +14,7 @@ One flag is torchdist's own: ``--secret-file PATH`` reads the job secret from a 
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), so
 ``torchdist.init_process_group()`` needs no arguments. On failure the launcher
 prints torchrun's summary (the first failed rank, its exit code or signal, host,
-time and traceback) and exits 1; stopped by a signal, it exits ``128 + signal``.
+time and traceback) and exits 1; stopped by a signal, it stops the workers and exits 1, as torchrun does.
 
 This module parses and reports only; the work is in :mod:`torchdist.elastic`.
 """

@@ -140,6 +140,14 @@ def test_record_writes_torchruns_error_file(tmp_path, monkeypatch):
         exits(3)
     assert not error_file.exists(), "sys.exit is not an error"
 
+    @record
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    assert not error_file.exists(), "as torchrun's, only an Exception is recorded: Ctrl-C is reported as the signal"
+
     # a launcher's record: the root-cause worker's file becomes its own, with the exit code
     child_file = tmp_path / "child.json"
     child_file.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {

@@ -123,7 +123,7 @@ def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> F:
             except ChildFailedError as exc:
                 handler.dump_error_file(exc.get_first_failure()[1])
                 raise
-            except BaseException as exc:
+            except Exception as exc:  # not KeyboardInterrupt: the summary reports the signal, as torchrun's
                 handler.record_exception(exc)
                 raise
 
