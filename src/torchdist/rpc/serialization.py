@@ -10,7 +10,7 @@ Other types register reducers with :func:`register_reducer`; the RRef module use
 that to create a fork for the destination (the reducer sees :class:`SendState`).
 
 Receiving (:func:`loads`): ``pickle.loads(payload, buffers=...)`` hands each
-out-of-band uint8 tensor to ``_rebuild_tensor``, which views it with the right
+out-of-band buffer (a numpy view of the received uint8 tensor) to ``_rebuild_tensor``, which views it with the right
 dtype and shape (no copy). Rebuild functions that need to know about the message
 (who sent it, its autograd context) read the :class:`RecvState` that ``loads``
 publishes in a thread-local while it runs.
@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 __all__ = ["SendState", "RecvState", "dumps", "loads", "register_reducer", "current_recv_state",
@@ -74,7 +75,9 @@ def current_recv_state() -> RecvState | None:
 # -- tensors -----------------------------------------------------------------------------
 def _rebuild_tensor(raw: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool,
                     is_param: bool) -> torch.Tensor:
-    if not isinstance(raw, torch.Tensor):
+    if isinstance(raw, np.ndarray):  # an out-of-band buffer (``loads`` hands them over as arrays)
+        raw = torch.from_numpy(raw)
+    elif not isinstance(raw, torch.Tensor):
         # In-band bytes: a small tensor's (a bytearray we own), or a message loaded without
         # our buffer list (copied once).
         if not isinstance(raw, bytearray):
@@ -102,13 +105,16 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
         data = data.resolve_conj().resolve_neg().contiguous()
     if tensor.requires_grad:
         state.grad_tensors.append(tensor)
-    raw: Any = data.reshape(-1).view(torch.uint8).numpy()
+    flat = data.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # "contiguous" whatever its stride (e.g. expand(1))
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    raw: Any = flat.view(torch.uint8).numpy()
     if raw.nbytes <= INBAND_BYTES:
         # Small: the bytes go inside the pickle. An out-of-band buffer costs more (a frame
         # part, an allocation and a tensor on the receiver) than copying a few KiB.
         raw = bytearray(raw)
     else:
-        state.keep_alive.append(data)
+        state.keep_alive.append(flat)
         raw = pickle.PickleBuffer(raw)
     return (_rebuild_tensor, (raw, data.dtype, tuple(data.shape), tensor.requires_grad,
                               isinstance(tensor, torch.nn.Parameter)))
@@ -156,11 +162,15 @@ def dumps(obj: Any, dst: int) -> tuple[bytes, SendState]:
 
 
 def loads(payload: bytes | bytearray, buffers: list[torch.Tensor], state: RecvState) -> Any:
-    """Unpickle a message, with ``state`` visible to rebuild functions on this thread."""
+    """Unpickle a message, with ``state`` visible to rebuild functions on this thread.
+
+    The out-of-band buffers go to ``pickle`` as numpy views of the received tensors (no
+    copy): not only our tensors' rebuild reads them, but also any type that pickles its
+    own buffers out of band (numpy arrays), which wants an object with the buffer protocol."""
     previous = getattr(_local, "recv", None)
     _local.recv = state
     try:
-        obj = pickle.loads(payload, buffers=buffers)
+        obj = pickle.loads(payload, buffers=[buffer.numpy() for buffer in buffers])
     finally:
         _local.recv = previous
     for callback in state.after_load:
