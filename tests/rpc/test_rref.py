@@ -146,3 +146,60 @@ def test_shutdown_deletes_user_rrefs_and_owner_values():
     (owners, live), _ = run_ranks(_forks_released_at_shutdown, 2, timeout=30)
     assert owners == 5
     assert live == 0
+
+
+def _plus_five(a):
+    return a + 5
+
+
+class Box:
+    """A value with a plain and an ``@async_execution`` method, for the proxies."""
+
+    def __init__(self):
+        self.count = 0
+
+    def increment(self):
+        self.count += 1
+        return self.count
+
+    @rpc.functions.async_execution
+    def plus_five_on(self, to, a):
+        return rpc.rpc_async(to, _plus_five, args=(a,))
+
+
+_BOX = Box()
+
+
+def _the_box():
+    return _BOX
+
+
+def _remote_to_self_and_async_proxies(rank, world_size):
+    start(rank, world_size)
+    out = {}
+    if rank == 0:
+        mine = rpc.remote(name(0), _the_box)  # the result itself is the value, as in PyTorch: not a copy
+        mine.rpc_sync().increment()
+        out["self"] = (mine.local_value() is _BOX, _BOX.count)
+        theirs = rpc.remote(name(1), Box)
+        out["async_proxies"] = (theirs.remote().plus_five_on(name(0), 1).to_here(),
+                                mine.remote().plus_five_on(name(1), 2).to_here(),
+                                theirs.rpc_sync().plus_five_on(name(0), 3), theirs.remote().increment().to_here())
+        try:  # a remote() that cannot be sent leaves no fork for shutdown to wait on
+            rpc.remote(name(1), lambda: 5)
+        except Exception as exc:  # noqa: BLE001
+            out["unsendable"] = type(exc).__name__
+        del mine, theirs
+        gc.collect()
+    began = time.monotonic()
+    rpc.shutdown()
+    out["shutdown_s"] = time.monotonic() - began
+    return out
+
+
+def test_remote_to_self_keeps_the_result_and_async_methods_work_through_every_proxy():
+    out = run_ranks(_remote_to_self_and_async_proxies, 2, timeout=40)
+    assert out[0]["self"] == (True, 1)
+    assert out[0]["async_proxies"] == (6, 7, 8, 1)
+    assert out[0]["unsendable"] in ("AttributeError", "PicklingError")
+    assert all(res["shutdown_s"] < 10 for res in out), [res["shutdown_s"] for res in out]

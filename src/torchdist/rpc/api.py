@@ -260,16 +260,25 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
     rrefs = runtime.rrefs
     rref_id = rrefs.new_id()
     call_timeout = runtime.call_timeout(timeout)
-    if dst == runtime.me.id:  # owned here: run through the pool, the value stays local
+    if dst == runtime.me.id:  # owned here: run through the pool (arguments copied), the result kept as is
         state = rref_context.OwnerState(rref_id)
-        request = (RequestKind.CALL, func, tuple(args or ()), dict(kwargs or {}), None)
-        future = runtime.agent.call(dst, request, call_timeout, _context_id(dst))
-        future.add_done_callback(lambda fut: _settle(state.future, fut))
+        rrefs.expect_local_creation(state)
+        request = (RequestKind.REMOTE, func, tuple(args or ()), dict(kwargs or {}), (rref_id, None))
+        try:
+            future = runtime.agent.call(dst, request, call_timeout, _context_id(dst))
+        except BaseException:
+            rrefs.take_local_creation(rref_id)
+            raise
+        future.add_done_callback(lambda fut: _fail_unless_run(rrefs, state, fut))
         return RRef._owner(dst, state)
     fork_id = rrefs.new_id()
     rref = RRef._user(dst, rref_id, fork_id, confirmed=False)
     request = (RequestKind.REMOTE, func, tuple(args or ()), dict(kwargs or {}), (rref_id, fork_id))
-    future = runtime.agent.call(dst, request, call_timeout, _context_id(dst))
+    try:
+        future = runtime.agent.call(dst, request, call_timeout, _context_id(dst))
+    except BaseException:
+        rref._discard()  # the request never left: the owner knows no fork to delete
+        raise
     rref._creation = future
 
     def created(fut: torch.futures.Future) -> None:
@@ -282,11 +291,15 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
     return rref
 
 
-def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
+def _fail_unless_run(rrefs: rref_context.RRefContext, state: rref_context.OwnerState,
+                     call: torch.futures.Future) -> None:
+    """A remote() to this worker whose request failed before it ran (a timeout): its error is the value."""
+    if rrefs.take_local_creation(state.rref_id) is None:
+        return  # the request ran: it set the value
     try:
-        target.set_result(source.wait())
+        call.wait()
     except Exception as exc:  # noqa: BLE001
-        target.set_exception(exc)
+        state.future.set_exception(exc)
 
 
 def _internal_send(dst: int, func: Callable, args: tuple) -> torch.futures.Future:

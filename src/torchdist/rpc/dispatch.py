@@ -6,7 +6,9 @@ A request is a tuple ``(RequestKind, func, args, kwargs, extra)``:
   ``rpc_async`` and every internal message: RRef forks, autograd, barriers);
 - ``REMOTE``: the same, but the result becomes the value of the owner RRef
   ``extra = (rref_id, fork_id)`` created here; the reply is only an acknowledgement
-  that the owner has recorded the caller's fork (see :mod:`.rref_context`).
+  that the owner has recorded the caller's fork (see :mod:`.rref_context`). A
+  remote() to the caller itself has no fork (``fork_id`` None): its owner RRef
+  already exists, and the result (not a copy) becomes its value.
 
 Functions marked ``@async_execution`` return a Future; the reply (or the RRef's
 value) follows when it completes. Requests that carry a distributed autograd
@@ -83,8 +85,11 @@ def handle_request(src: int, request: Any, frame: Frame) -> Any:
             return _run(func, args, kwargs)
         rref_id, fork_id = extra
         ctx = rref_context.current()
-        state = ctx.owner_state(rref_id)
-        ctx.add_fork(state, fork_id)
+        if fork_id is None:  # from this worker; a call that timed out meanwhile still runs
+            state = ctx.take_local_creation(rref_id) or rref_context.OwnerState(rref_id)
+        else:
+            state = ctx.owner_state(rref_id)
+            ctx.add_fork(state, fork_id)
         try:
             result = _run(func, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the RRef's value is the error (to_here raises it)

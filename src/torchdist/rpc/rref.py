@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import api
-from .functions import check_async_result
+from .functions import check_async_result, is_async
 from .options import UNSET_RPC_TIMEOUT, WorkerInfo
 from .rref_context import (GloballyUniqueId, OwnerState, _rref_add_fork, _rref_child_accept, current)
 from .serialization import SendState, current_recv_state, register_reducer
@@ -69,6 +69,12 @@ class RRef:
         self._error = error
         self._confirmed = True
         current().confirm(self._owner_id, self._rref_id, self._fork_id)
+
+    def _discard(self) -> None:
+        """A fork the owner never heard of (its remote() could not be sent): nothing to delete."""
+        self._deleted = True
+        self._finalizer.detach()
+        current().users.discard(self)
 
     def _mark_deleted(self) -> None:
         """Shutdown: release this fork now; later use raises."""
@@ -245,12 +251,19 @@ def _rref_type(rref: RRef) -> type:
     return type(rref._state.future.wait())
 
 
-def _invoke_method(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
+def _invoke_method(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """The proxies' call of ``method``; always a Future, so that the reply (or a remote()'s
+    value) is the value of an ``@async_execution`` method's Future and a plain method's result."""
     method = getattr(rref.local_value(), name)
     result = method(*args, **kwargs)
-    if getattr(method, "_async_execution", False):
-        check_async_result(method, result)  # the agent replies when the Future completes
-    return result
+    if is_async(method):
+        return check_async_result(method, result)
+    done = torch.futures.Future()
+    done.set_result(result)
+    return done
+
+
+_invoke_method._async_execution = True
 
 
 def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:

@@ -8,6 +8,9 @@ Python references do).
 
 How forks come and go (O owner, U and V users; every arrow is an RPC)::
 
+    remote(O, f) from O      O: new OwnerRRef whose state waits in local_creations;
+                             the request runs f on O's pool and sets that state's value
+                             (the value itself, not a copy of it; no fork)
     remote(O, f) from U      U: new UserRRef(F0), unconfirmed
                              U ── create(R, F0, f) ──► O: forks += {F0}, run f
                              U ◄──── ack ───────────── O        U: confirmed
@@ -97,6 +100,7 @@ class RRefContext:
         self._ids = itertools.count()
         self.owners: dict[GloballyUniqueId, OwnerState] = {}
         self.pending_children: dict[GloballyUniqueId, Any] = {}
+        self.local_creations: dict[GloballyUniqueId, OwnerState] = {}  # remote() to this worker, not yet run
         self.users: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._unconfirmed_deleted: set[GloballyUniqueId] = set()
         self._confirmed: set[GloballyUniqueId] = set()
@@ -118,6 +122,15 @@ class RRefContext:
             if state is None and create:
                 state = self.owners[rref_id] = OwnerState(rref_id)
             return state
+
+    def expect_local_creation(self, state: OwnerState) -> None:
+        with self._lock:
+            self.local_creations[state.rref_id] = state
+
+    def take_local_creation(self, rref_id: GloballyUniqueId) -> OwnerState | None:
+        """The state a remote() to this worker waits on; None once the caller gave up on it."""
+        with self._lock:
+            return self.local_creations.pop(rref_id, None)
 
     def add_fork(self, state: OwnerState, fork_id: GloballyUniqueId) -> None:
         with self._lock:
@@ -210,6 +223,7 @@ class RRefContext:
                 rref._deleted = True
             self.owners.clear()
             self.pending_children.clear()
+            self.local_creations.clear()
         self._wake.set()
         self._deleter.join(1.0)
 
