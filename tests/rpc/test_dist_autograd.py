@@ -246,3 +246,48 @@ def test_retain_graph_false_frees_the_graph_like_pytorch():
     assert out["fresh"] == "ok"
     assert torch.equal(out["g_fresh"], torch.full((3,), 40.0))
     assert out["w_grad"] is None
+
+
+_OWNED = torch.nn.Parameter(torch.ones(2))
+
+
+def _owned_rref():
+    return rpc.RRef(_OWNED)
+
+
+def _times_owned(x):
+    return x * _OWNED
+
+
+def _owned_state():
+    return _OWNED.detach().clone(), _OWNED.grad is None
+
+
+def _optimizer_over_own_and_remote_parameters(rank, world_size):
+    start(rank, world_size)
+    out = None
+    if rank == 0:
+        local = torch.nn.Linear(2, 2)
+        before = [p.detach().clone() for p in local.parameters()]
+        params = [rpc.RRef(p) for p in local.parameters()] + [rpc.rpc_sync("worker1", _owned_rref)]
+        optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=1.0)
+        with dist_autograd.context() as context_id:
+            loss = local(torch.ones(1, 2)).sum() + rpc.rpc_sync("worker1", _times_owned, args=(torch.ones(2),)).sum()
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+        after = [p.detach() for p in local.parameters()]
+        out = {"local_moved": [torch.equal(a, b - 1) for a, b in zip(after, before)],
+               "local_grads_untouched": [p.grad is None for p in local.parameters()],
+               "remote": rpc.rpc_sync("worker1", _owned_state)}
+    rpc.shutdown()
+    return out
+
+
+def test_distributed_optimizer_steps_the_callers_own_parameters_and_leaves_grad_alone():
+    # SGD with lr 1: every weight's gradient here is 1. The caller's parameters are its
+    # own RRefs (remote() to itself keeps the optimizer over them, not over copies).
+    out = run_ranks(_optimizer_over_own_and_remote_parameters, 2, timeout=30)[0]
+    assert out["local_moved"] == [True, True]
+    assert out["local_grads_untouched"] == [True, True]
+    value, grad_is_none = out["remote"]
+    assert torch.equal(value, torch.zeros(2)) and grad_is_none

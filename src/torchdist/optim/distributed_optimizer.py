@@ -3,9 +3,10 @@
 ``DistributedOptimizer(optim.SGD, [param_rref, ...], lr=0.1)`` groups the RRefs by
 owner and creates, on each owner, a :class:`_LocalOptimizer` over that owner's
 parameters (constructor errors are raised here). ``step(context_id)`` asks every
-owner, concurrently, to copy the context's gradients (from
-``torchdist.autograd.get_gradients``) into ``param.grad`` and run its optimizer's
-``step``; the first remote error is raised after all have finished.
+owner, concurrently, to put the context's gradients (from
+``torchdist.autograd.get_gradients``) in ``param.grad`` for the length of its
+optimizer's ``step`` (the owner's own ``.grad`` is restored after); the first
+remote error is raised after all have finished.
 
 Several trainers may step the same parameters: a process-wide lock per owner
 serializes the local steps, as in PyTorch.
@@ -37,9 +38,16 @@ class _LocalOptimizer:
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
         with _LocalOptimizer._lock:
-            for param in self._params:
-                param.grad = grads.get(param)
-            self.optim.step()
+            # The context's gradients stand in for .grad during the step only: as with
+            # PyTorch's functional optimizers, the owner's own .grad is left as it was.
+            own = [param.grad for param in self._params]
+            try:
+                for param in self._params:
+                    param.grad = grads.get(param)
+                self.optim.step()
+            finally:
+                for param, grad in zip(self._params, own):
+                    param.grad = grad
 
 
 def _check_created(optimizer_rref: rpc.RRef) -> None:
