@@ -103,6 +103,20 @@ def test_torch_distributed_name_is_exported(name):
     assert hasattr(torch.distributed, name), f"{name} is not a torch.distributed name"
 
 
+def test_rpc_constants_and_autograd_names_match_pytorchs():
+    import torch.distributed.autograd as torch_autograd
+    import torch.distributed.rpc.constants as torch_constants
+
+    import torchdist.autograd as dist_autograd
+    import torchdist.rpc.constants as constants
+
+    for name in constants.__all__:
+        assert getattr(constants, name) == getattr(torch_constants, name), name
+    for name in ("context", "backward", "get_gradients", "is_available", "DistAutogradContext"):
+        assert hasattr(torch_autograd, name) and name in dist_autograd.__all__, name
+    assert dist_autograd.is_available()
+
+
 def test_error_classes_have_pytorchs_bases():
     assert issubclass(torchdist.DistError, RuntimeError)
     for cls in (torchdist.DistBackendError, torchdist.DistNetworkError, torchdist.DistStoreError):

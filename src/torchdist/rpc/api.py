@@ -47,6 +47,7 @@ from ..autograd.context import container as autograd_contexts
 from . import rref_context, same_host
 from . import membership
 from .agent import TcpAgent
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT
 from .dispatch import RequestKind, RpcCodec, handle_request
 from .handshake import authenticate, job_secret
 from .options import (DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
@@ -363,7 +364,7 @@ def _barrier_arrive(round_no: int, worker_id: int) -> torch.futures.Future:
 _barrier_arrive._async_execution = True
 
 
-def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop RPC; graceful waits for every worker's outstanding work first (``timeout`` s, 0 = none)."""
     global _runtime
     runtime = _get()

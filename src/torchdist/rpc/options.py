@@ -18,15 +18,12 @@ from typing import Any
 
 import torch
 
+from .constants import DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
+
 __all__ = ["BackendType", "TensorPipeRpcBackendOptions", "RpcBackendOptions", "WorkerInfo",
            "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_INIT_METHOD", "UNSET_RPC_TIMEOUT",
            "validate_worker_name"]
 
-DEFAULT_RPC_TIMEOUT_SEC = 60.0
-DEFAULT_NUM_WORKER_THREADS = 16
-DEFAULT_INIT_METHOD = "env://"
-#: ``timeout`` arguments at or below zero mean "the agent's default".
-UNSET_RPC_TIMEOUT = -1.0
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]*$")
 _MAX_NAME_LEN = 128
