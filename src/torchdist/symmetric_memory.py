@@ -15,7 +15,8 @@ that of an ordinary CPU tensor.
 Every rank must call ``empty`` in the same order with the same arguments, and pass
 the same tensor (same allocation, same offset) to a collective: a rank that passes
 an ordinary tensor while another passes a symmetric one raises on every rank.
-The memory is released when the group is destroyed.
+On each rank the memory is released when no tensor over it is left (views
+included), or when the group is destroyed.
 """
 
 from __future__ import annotations

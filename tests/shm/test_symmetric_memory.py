@@ -127,3 +127,46 @@ def test_a_group_not_on_shared_memory_says_so() -> None:
 
 def _ours() -> set[str]:
     return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
+
+
+def _mapped_and_fds() -> tuple[int, int]:
+    with open("/proc/self/maps") as maps:
+        mapped = sum(PREFIX in line for line in maps)
+    return mapped, len(os.listdir("/proc/self/fd"))
+
+
+def _freed_with_their_last_tensor(rank: int, world: int) -> dict:
+    import gc
+
+    torch.set_num_threads(1)
+    out = {"start": _mapped_and_fds()}
+    buf = torchdist.symmetric_memory.empty(N)
+    view = buf[7:]  # a view keeps the allocation, and collectives on it still take the direct path
+    del buf
+    gc.collect()
+    view.fill_(rank + 1)
+    torchdist.all_reduce(view)
+    out["view_sum"] = view[0].item()
+    out["held"] = _mapped_and_fds()
+    del view
+    gc.collect()
+    out["freed"] = _mapped_and_fds()
+    for _ in range(20):  # a training loop that makes a new DDP each time (every bucket in symmetric memory)
+        model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+        ddp = torchdist.DistributedDataParallel(model, bucket_cap_mb=0.25)
+        ddp(torch.ones(2, 128)).sum().backward()
+        del ddp, model
+        gc.collect()
+    out["after_ddps"] = _mapped_and_fds()
+    return out
+
+
+def test_an_allocation_is_freed_with_its_last_tensor_and_ddp_can_be_made_again_and_again() -> None:
+    for rank, out in enumerate(run_ranks(_freed_with_their_last_tensor, 2, backend="shm", timeout=120)):
+        world = 2
+        assert out["view_sum"] == world * (world + 1) // 2
+        (start_maps, start_fds), (held_maps, held_fds) = out["start"], out["held"]
+        assert held_maps == start_maps + world, out  # this rank's segment and the peer's
+        assert out["freed"] == out["start"], out
+        maps, fds = out["after_ddps"]
+        assert maps == start_maps and fds <= start_fds + 2, out  # (torch may open a file or two)

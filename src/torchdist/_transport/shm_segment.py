@@ -168,7 +168,7 @@ _LOCK_FDS: "weakref.WeakSet[Segment]" = weakref.WeakSet()
 
 def _close_lock_fds_in_child() -> None:
     for segment in list(_LOCK_FDS):
-        segment._forget_in_child()
+        segment.drop_lock()
 
 
 os.register_at_fork(after_in_child=_close_lock_fds_in_child)
@@ -263,7 +263,8 @@ class Segment:
         except BufferError:
             logger.debug("%s: views still exported; the mapping goes with them", self.path)
 
-    def _forget_in_child(self) -> None:
+    def drop_lock(self) -> None:
+        """Close the lock's descriptor (a forked child's copy, or one nobody will test)."""
         if self._lock_fd >= 0:
             try:
                 os.close(self._lock_fd)

@@ -205,7 +205,7 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
     clock = time.perf_counter
     esize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size()
     pools = None
-    if job.symmetric:  # symmetric memory lives as long as the group: one pair of pools for all sizes
+    if job.symmetric:  # one pair of pools for all sizes: an allocation per case costs a collective
         largest = (max(job.sizes) // 16 + world + 1) * 16  # room for _Case's rounding up, any dtype
         pools = tuple(impls["torchdist"].symmetric_memory.empty(largest, dtype=torch.uint8) for _ in range(2))
     for op in job.ops:
