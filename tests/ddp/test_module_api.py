@@ -91,3 +91,25 @@ def _builtin_hook(rank, world):
 def test_builtin_comm_hooks_by_builtin_type():
     for wrong_type, grad in run_ranks(_builtin_hook, 2, backend="gloo", timeout=60):
         assert wrong_type == "TypeError" and grad == [[1.5] * 4]
+
+
+def _construction_fails(rank, world):
+    import gc
+    import sys
+
+    unraisable = []
+    sys.unraisablehook = unraisable.append
+
+    def no_memory(nbytes):
+        raise dist.DistNetworkError("cannot allocate shared memory: [Errno 24] Too many open files")
+
+    dist.group.WORLD.backend.allocate_symmetric = no_memory
+    with pytest.raises(dist.DistNetworkError):
+        dist.DistributedDataParallel(nn.Linear(256, 256))  # a 257 KB bucket: symmetric memory
+    gc.collect()
+    return [str(u.exc_value) for u in unraisable]
+
+
+def test_a_ddp_whose_buckets_cannot_be_made_raises_without_noise_from_its_reducer():
+    for unraisable in run_ranks(_construction_fails, 2, backend="shm", timeout=60):
+        assert unraisable == []

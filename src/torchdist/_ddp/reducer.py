@@ -166,6 +166,7 @@ class Reducer:
         self.num_backward = 0
         self._buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []
+        self._handles: list = []  # before anything can fail: __del__ removes them
         self._build(list(reversed(range(n))))
         ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_grad_hook(ref, i)) for i, p in enumerate(self._params)]
@@ -196,8 +197,8 @@ class Reducer:
         """Coalesced buckets in the group's symmetric memory where it has one (backend shm):
         their all-reduce then reads the peers' buckets where they lie, with no copy into
         the transport's buffers. Small buckets gain nothing (one step either way).
-        Allocations live as long as the group, so the buckets of the first iteration
-        stay allocated after the rebuild."""
+        An allocation is freed with its last tensor: the first iteration's buckets
+        after the rebuild, every bucket with the reducer."""
         allocate = getattr(self._group.backend, "allocate_symmetric", None)
         if allocate is None or any(p.device.type != "cpu" for p in self._params):
             return None

@@ -210,8 +210,10 @@ class Segment:
         except OSError as exc:
             os.close(lock_fd)
             _unlink_quietly(path)
+            advice = ("raise the limit on open files (ulimit -n)" if exc.errno in (errno.EMFILE, errno.ENFILE) else
+                      "free space there or use backend='tcp'")
             raise DistNetworkError(f"{label}: rank {rank} cannot allocate {size} bytes of shared memory in "
-                                   f"{shm_dir()}: {exc}. Free space there or use backend='tcp'.") from exc
+                                   f"{shm_dir()}: {exc}; {advice}.") from exc
         return cls(path, size, True, lock_fd, buf)
 
     @classmethod
