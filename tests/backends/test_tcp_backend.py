@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import torchdist
+from torchdist._algorithms.comm import Scratch
 from torchdist._process_group.backends.tcp import TcpBackend
 from torchdist._process_group.reduce_op import ReduceOp, _make_nccl_premul_sum
 from torchdist.errors import DistBackendError
@@ -390,3 +391,21 @@ def _async_recv_behind_collective(rank: int, world: int) -> float:
 
 def test_waiting_on_an_irecv_queued_before_a_collective() -> None:
     assert run_ranks(_async_recv_behind_collective, 2, timeout=30)[0] == 4.0
+
+
+def _scratch_kept(rank: int, world: int) -> list[int]:
+    group = torchdist.new_group(list(range(world)), backend="tcp")
+    backend, kept = group.backend, []
+    for nbytes in (16 << 20, 4 * Scratch.KEEP_BYTES):  # (an all-reduce at world 2 needs half its size)
+        t = torch.ones(nbytes // 4)
+        torchdist.all_reduce(t, group=group)
+        assert torch.equal(t[:3], torch.full((3,), float(world)))
+        kept.append(backend._scratch.buffer.numel())
+    torchdist.destroy_process_group(group)  # the user may still hold the destroyed group
+    kept.append(backend._scratch.buffer.numel())
+    return kept
+
+
+def test_scratch_memory_is_bounded_and_goes_with_the_group() -> None:
+    for small, huge, destroyed in run_ranks(_scratch_kept, 2, backend="tcp", timeout=60):
+        assert 0 < small <= 16 << 20 and huge == small and destroyed == 0

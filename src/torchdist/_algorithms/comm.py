@@ -96,9 +96,12 @@ def gather_pieces(output: torch.Tensor, input: torch.Tensor, size: int, rank: in
 class Scratch:
     """A buffer reused by successive ops of one group (they never overlap: the
     engine runs one op at a time). Fresh large buffers cost page faults on every
-    op; measured at 64 MiB that was a third of the all-reduce time."""
+    op; measured at 64 MiB that was a third of the all-reduce time. Up to
+    ``KEEP_BYTES`` it is kept between ops (and released with the group); a larger
+    op gets one of its own, so that one huge op does not pin its size for good."""
 
     __slots__ = ("buffer",)
+    KEEP_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
@@ -106,9 +109,14 @@ class Scratch:
     def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         esize = torch.empty(0, dtype=dtype).element_size()
         nbytes = numel * esize
+        if nbytes > self.KEEP_BYTES:
+            return torch.empty(numel, dtype=dtype)
         if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self.buffer[:nbytes].view(dtype)
+
+    def release(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 class Comm:

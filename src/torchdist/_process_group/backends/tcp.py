@@ -487,3 +487,4 @@ class TcpBackend(ProcessGroupBackend):
                            "leave; its resources stay allocated until the process exits", self._label, _LEAVE_S)
             return
         self._transport.close()
+        self._scratch.release()
