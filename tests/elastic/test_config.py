@@ -49,6 +49,12 @@ def test_launch_config_is_validated(field, value, message):
         LaunchConfig(**kwargs)
 
 
+def test_launch_config_takes_torchs_defaults_and_forms():
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, signals_to_handle="SIGTERM,SIGUSR1")
+    assert config.role == "default_role"
+    assert config.signals_to_handle == (signal.SIGTERM, signal.SIGUSR1)  # a string, as torch's field is
+
+
 def test_launch_config_is_frozen_and_hides_the_secret():
     config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, secret="hunter2", rdzv_configs={"a": 1})
     assert "hunter2" not in repr(config) and config.is_multi_node
@@ -138,6 +144,8 @@ def test_record_writes_torchruns_error_file(tmp_path, monkeypatch):
     assert exits(0) is None, "torchrun's record returns None for sys.exit(0)"
     with pytest.raises(SystemExit):
         exits(3)
+    with pytest.raises(SystemExit):
+        exits(None)  # a bare sys.exit(): torchrun's record re-raises it
     assert not error_file.exists(), "sys.exit is not an error"
 
     @record

@@ -86,7 +86,7 @@ class LaunchConfig:
     max_nodes: int
     nproc_per_node: int
     run_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    role: str = "default"
+    role: str = "default_role"  # torch's LaunchConfig default (torchrun's --role default is "default")
     rdzv_endpoint: str = ""
     rdzv_backend: str = "static"
     rdzv_configs: Mapping[str, object] = field(default_factory=dict)
@@ -100,7 +100,8 @@ class LaunchConfig:
     local_addr: str | None = None
     shutdown_timeout: float = 30.0
     exit_barrier_timeout: float = 300.0
-    signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    #: signal numbers, or torch's form: names in a string ("SIGTERM,SIGINT")
+    signals_to_handle: tuple[int, ...] | str = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     log_line_prefix_template: str | None = None
     secret: str | None = field(default=None, repr=False)
     #: Lines of a tee'd stream containing one of these also go to the attempt's
@@ -129,6 +130,8 @@ class LaunchConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not self.role:
             raise ValueError("role must be a non-empty string")
+        if isinstance(self.signals_to_handle, str):
+            object.__setattr__(self, "signals_to_handle", parse_signals(self.signals_to_handle))
         for name in ("redirects", "tee"):
             value = getattr(self, name)
             if isinstance(value, Mapping):

@@ -117,7 +117,7 @@ def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> F:
             try:
                 return f(*args, **kwargs)
             except SystemExit as exc:
-                if exc.code in (0, None):
+                if exc.code == 0:  # (as torchrun's: a bare sys.exit() is re-raised)
                     return None
                 raise
             except ChildFailedError as exc:
