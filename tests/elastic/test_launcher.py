@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -276,3 +278,43 @@ def test_pet_environment_variables_set_flags(tmp_path):
     assert done.returncode == 0, done.stderr
     assert [r["WORLD_SIZE"] for r in records(tmp_path)] == ["2", "2"]
     assert_no_orphans(_pids(tmp_path))
+
+
+_FUNCTION_LAUNCH = '''
+import os, sys
+import torch
+import torchdist
+from torchdist.elastic import ChildFailedError, LaunchConfig, elastic_launch
+
+
+def train(offset, scale):
+    torchdist.init_process_group()
+    rank = torchdist.get_rank()
+    t = torch.tensor([float(rank)])
+    torchdist.all_reduce(t)
+    torchdist.destroy_process_group()
+    if scale is None:
+        raise ValueError(f"no scale on rank {rank}")
+    return {"rank": rank, "value": offset + scale * t.item()}
+
+
+if __name__ == "__main__":
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:" + sys.argv[1], max_restarts=0)
+    print("returned", elastic_launch(config, train)(1, 10))
+    try:
+        elastic_launch(config, train)(1, None)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print("failed", exc.name, "no scale on rank" in str(failure.message))
+'''
+
+
+def test_elastic_launch_runs_a_function_defined_in_the_script_and_returns_each_ranks_value(tmp_path):
+    script = tmp_path / "launch_function.py"
+    script.write_text(_FUNCTION_LAUNCH)
+    done = subprocess.run([sys.executable, str(script), str(free_port())], env=clean_env(), capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert "returned {0: {'rank': 0, 'value': 11.0}, 1: {'rank': 1, 'value': 11.0}}" in done.stdout, done.stdout
+    assert "failed train True" in done.stdout, done.stdout + done.stderr

@@ -1,8 +1,10 @@
 """Launch one node's workers from a :class:`LaunchConfig`: build the rendezvous and the agent, run, report.
 
 ``launch_agent(config, entrypoint, args)`` is what ``torchdist-run`` calls;
-``elastic_launch(config, entrypoint)(*args)`` is torch's spelling of the same. Both
-return ``{global rank: return value}`` (``None`` per rank for executables) and raise
+``elastic_launch(config, entrypoint)(*args)`` is torch's spelling of the same. The
+entrypoint is an executable or, as in torch, a picklable Python function (run by
+:mod:`~torchdist.elastic.function_worker`). Both return ``{global rank: return
+value}`` (``None`` per rank for executables) and raise
 :class:`~torchdist.elastic.multiprocessing.errors.ChildFailedError` when the job failed.
 
 The job secret (:mod:`torchdist._auth`) is decided here, once:
@@ -20,8 +22,12 @@ handed to the workers as ``TORCHDIST_SECRET``.
 from __future__ import annotations
 
 import logging
+import multiprocessing.spawn
 import os
-from typing import Any
+import pickle
+import sys
+import tempfile
+from typing import Any, Callable
 
 from .._auth import SECRET_ENV, new_secret, resolve_secret
 from .agent import LocalElasticAgent, WorkerSpec
@@ -52,8 +58,12 @@ def job_secret(config: LaunchConfig) -> str | None:
     return None
 
 
-def launch_agent(config: LaunchConfig, entrypoint: str, args: list[str], name: str | None = None) -> dict[int, Any]:
-    """Run ``entrypoint args...`` as ``config.nproc_per_node`` workers on this node, as part of the job."""
+def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: list[Any],
+                 name: str | None = None) -> dict[int, Any]:
+    """Run ``entrypoint args...`` (or ``entrypoint(*args)``) as ``config.nproc_per_node`` workers on
+    this node, as part of the job."""
+    if callable(entrypoint):
+        return _launch_function(config, entrypoint, args)
     secret = job_secret(config)
     rdzv_configs = dict(config.rdzv_configs)
     if secret:
@@ -91,24 +101,50 @@ def launch_agent(config: LaunchConfig, entrypoint: str, args: list[str], name: s
         raise
     result = agent.run()
     if result.is_failed():
-        raise ChildFailedError(name or os.path.basename(entrypoint), result.failures, result.hosts, result.note)
+        raise ChildFailedError(name or _entrypoint_name(entrypoint, args), result.failures, result.hosts, result.note)
     return result.return_values
+
+
+def _entrypoint_name(entrypoint: str, args: list[Any]) -> str:
+    """torch's name for a failed job: the script for ``python script ...``, else the executable."""
+    if entrypoint == sys.executable:
+        return next((str(arg) for arg in args if not str(arg).startswith("-")), "")
+    return entrypoint
+
+
+def _launch_function(config: LaunchConfig, function: Callable, args: list[Any]) -> dict[int, Any]:
+    """``function(*args)`` on every worker; their return values, by global rank."""
+    with tempfile.TemporaryDirectory(prefix="torchdist-function-") as tmp:
+        call = os.path.join(tmp, "call.pkl")
+        preparation = multiprocessing.spawn.get_preparation_data(function.__qualname__)
+        preparation.pop("authkey", None)  # multiprocessing's own connections' key: not ours to send
+        with open(call, "wb") as f:
+            pickle.dump(preparation, f)
+            pickle.dump((function, tuple(args)), f)
+        ranks = launch_agent(config, sys.executable, ["-u", "-m", "torchdist.elastic.function_worker", call, tmp],
+                             name=function.__qualname__)
+        values = {}
+        for rank in ranks:
+            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as f:
+                values[rank] = pickle.load(f)
+        return values
 
 
 class elastic_launch:  # noqa: N801 - torch's name
     """``elastic_launch(config, entrypoint)(*args)``: :func:`launch_agent` with torch's calling convention.
 
-    ``entrypoint`` is an executable (e.g. ``sys.executable``) and ``args`` its arguments.
+    ``entrypoint`` is an executable (e.g. ``sys.executable``) and ``args`` its arguments
+    (made strings), or a picklable function and the arguments of its call.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: str) -> None:
-        if not isinstance(entrypoint, str):
-            raise TypeError(
-                f"elastic_launch runs an executable, got {type(entrypoint).__name__}: pass sys.executable and "
-                "the script as arguments (torchdist starts every worker as a fresh process)"
-            )
+    def __init__(self, config: LaunchConfig, entrypoint: str | Callable) -> None:
+        if not isinstance(entrypoint, str) and not callable(entrypoint):
+            raise TypeError(f"elastic_launch: the entrypoint must be an executable's path or a function, got "
+                            f"{type(entrypoint).__name__}")
         self._config = config
         self._entrypoint = entrypoint
 
     def __call__(self, *args: Any) -> dict[int, Any]:
+        if callable(self._entrypoint):
+            return launch_agent(self._config, self._entrypoint, list(args))
         return launch_agent(self._config, self._entrypoint, [str(a) for a in args])
