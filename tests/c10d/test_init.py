@@ -238,3 +238,30 @@ def _init_whose_backend_fails(rank, world_size):
 
 def test_a_failing_backend_raises_its_own_error_and_leaves_nothing_initialized():
     assert run_ranks(_init_whose_backend_fails, 1, timeout=60) == [("_BrokenBackend", False)]
+
+
+def _group_name_is_ignored(rank, world_size):
+    # torch ignores the deprecated group_name: here it differs per rank, and the next
+    # group would be named "1", as the default one was when it was used as the name
+    dist.init_process_group("gloo", group_name=f"job{rank}" if rank else "1", timeout=timedelta(seconds=20))
+    try:
+        subgroup = dist.new_group([0, 1])
+        t = torch.ones(2)
+        dist.all_reduce(t, group=subgroup)
+        dist.all_reduce(t)
+        return dist.group.WORLD.group_name, t.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_group_name_is_ignored_as_in_pytorch():
+    assert run_ranks(_group_name_is_ignored, 2, timeout=60) == [("0", [4.0, 4.0])] * 2
+
+
+def test_an_empty_master_addr_is_an_error_at_once(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="MASTER_ADDR expected"):
+        dist.init_process_group("tcp", rank=0, world_size=1, timeout=timedelta(seconds=20))
+    assert time.monotonic() - start < 5 and not dist.is_initialized()

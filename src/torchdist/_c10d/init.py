@@ -112,7 +112,7 @@ def init_process_group(
             my_global_rank=rank,
             backend=backend,
             timeout=timeout,
-            group_name=group_name or "0",
+            group_name="0",  # as in torch, the deprecated group_name is ignored: names are counters
             group_desc="default_pg",
         )
     except BaseException:

@@ -78,15 +78,19 @@ def _query_int(url: str, name: str, missing: str) -> int:
         raise ValueError(f"Error initializing torchdist using {url}: {name}={values[0]!r} is not an integer") from None
 
 
+def _not_set(name: str) -> ValueError:
+    return ValueError(
+        f"Error initializing torchdist using env:// rendezvous: environment variable {name} expected, "
+        "but not set. Set it, pass it to init_process_group, or launch with torchdist-run."
+    )
+
+
 def _env_int(name: str, given: int) -> int:
     if given != -1:
         return given
     value = os.environ.get(name)
     if value is None:
-        raise ValueError(
-            f"Error initializing torchdist using env:// rendezvous: environment variable {name} expected, "
-            "but not set. Set it, pass it to init_process_group, or launch with torchdist-run."
-        )
+        raise _not_set(name)
     try:
         return int(value)
     except ValueError:
@@ -133,8 +137,8 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT
     rank = _env_int("RANK", int(query["rank"][0]) if "rank" in query else -1)
     world_size = _env_int("WORLD_SIZE", int(query["world_size"][0]) if "world_size" in query else -1)
     addr = os.environ.get("MASTER_ADDR")
-    if addr is None:
-        _env_int("MASTER_ADDR", -1)  # raises the standard "expected, but not set" error
+    if not addr:  # (an empty one too: it would only fail at the timeout)
+        raise _not_set("MASTER_ADDR")
     port = _env_int("MASTER_PORT", -1)
     _check_rank(rank, world_size, url)
     store = _tcp_store(addr, port, rank, world_size, timeout)
