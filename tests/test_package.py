@@ -91,7 +91,8 @@ def test_public_front_only_reexports():
         "monitored_barrier", "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv",
         "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
         "send_object_list", "recv_object_list", "rendezvous", "register_rendezvous_handler",
-        "is_backend_available", "default_pg_timeout",
+        "is_backend_available", "default_pg_timeout", "is_gloo_available", "is_nccl_available", "is_mpi_available",
+        "is_ucc_available", "is_xccl_available", "get_default_backend_for_device",
     ],
 )
 def test_torch_distributed_name_is_exported(name):

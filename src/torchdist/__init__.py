@@ -9,7 +9,9 @@ from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from ._store.rendezvous import register_rendezvous_handler, rendezvous
 from ._process_group.process_group import ProcessGroup
 from ._process_group.reduce_op import ReduceOp, _make_nccl_premul_sum, reduce_op, supports_complex
-from ._process_group.registry import Backend, BackendConfig, is_backend_available
+from ._process_group.registry import (Backend, BackendConfig, get_default_backend_for_device, is_backend_available,
+                                      is_gloo_available, is_mpi_available, is_nccl_available, is_ucc_available,
+                                      is_xccl_available)
 from ._process_group.work import Work
 from ._c10d.world import GroupMember, group
 from ._c10d.init import (
@@ -74,7 +76,8 @@ __all__ = [
     "Store", "HashStore", "FileStore", "TCPStore", "PrefixStore", "rendezvous", "register_rendezvous_handler",
     # process groups
     "ProcessGroup", "Work", "ReduceOp", "reduce_op", "supports_complex", "Backend", "BackendConfig",
-    "is_backend_available", "GroupMember", "group", "default_pg_timeout",
+    "is_backend_available", "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_ucc_available",
+    "is_xccl_available", "get_default_backend_for_device", "GroupMember", "group", "default_pg_timeout",
     "init_process_group", "destroy_process_group", "is_available", "is_initialized", "is_torchelastic_launched",
     "get_rank", "get_world_size", "get_backend", "get_node_local_rank",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",

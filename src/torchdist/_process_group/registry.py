@@ -15,7 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-__all__ = ["Backend", "BackendConfig", "backend_creator", "is_backend_available"]
+import torch
+
+__all__ = ["Backend", "BackendConfig", "backend_creator", "is_backend_available", "is_gloo_available",
+           "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_xccl_available",
+           "get_default_backend_for_device"]
 
 # Built-in backends: name -> "module:attribute" of the creator, imported on first use.
 _BUILTIN_CREATORS: dict[str, str] = {
@@ -44,7 +48,7 @@ class Backend(str):
     AUTO = "auto"
 
     backend_list = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, TCP, SHM, AUTO]
-    default_device_backend_map = {"cpu": GLOO}
+    default_device_backend_map = {"cpu": GLOO, "cuda": NCCL, "xpu": XCCL, "mps": GLOO}  # torch's
 
     def __new__(cls, name: str) -> "Backend":
         if not isinstance(name, str):
@@ -114,12 +118,41 @@ def resolve_cpu_backend(backend: str | None) -> str:
     return _DEFAULT_CPU_BACKEND if name in _DEFAULT_ALIASES else name
 
 
-def is_backend_available(name: str) -> bool:
+def is_backend_available(backend: str) -> bool:
     try:
-        backend_creator(name)
+        backend_creator(backend)
     except (ValueError, RuntimeError, ImportError):
         return False
     return True
+
+
+def is_gloo_available() -> bool:
+    """``"gloo"`` is always available: an alias of the default CPU backend."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    return is_backend_available(Backend.NCCL)
+
+
+def is_mpi_available() -> bool:
+    return is_backend_available(Backend.MPI)
+
+
+def is_ucc_available() -> bool:
+    return is_backend_available(Backend.UCC)
+
+
+def is_xccl_available() -> bool:
+    return is_backend_available(Backend.XCCL)
+
+
+def get_default_backend_for_device(device: str | torch.device) -> str:
+    """PyTorch's default backend for a device type (``"cpu"`` -> ``"gloo"``)."""
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if device_type not in Backend.default_device_backend_map:
+        raise ValueError(f"Default backend not registered for device : {device_type}")
+    return Backend.default_device_backend_map[device_type]
 
 
 def backend_creator(name: str) -> Callable:
