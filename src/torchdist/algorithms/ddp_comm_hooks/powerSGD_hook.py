@@ -192,12 +192,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
                          else torch.tensor([], dtype=dtype))
 
     randomize = not state.warm_start or index not in state.p_memory_dict
-    if randomize:
-        state.p_memory_dict[index] = torch.empty(total_p, dtype=dtype)
-        state.q_memory_dict[index] = torch.empty(total_q, dtype=dtype)
     # Held here, not looked up again: without warm start, an earlier bucket's decompress
     # (a future callback, maybe on another thread) clears the dicts while this hook runs.
-    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
+    if randomize:
+        p_memory, q_memory = torch.empty(total_p, dtype=dtype), torch.empty(total_q, dtype=dtype)
+        state.p_memory_dict[index], state.q_memory_dict[index] = p_memory, q_memory
+    else:
+        p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
 
     by_shape: dict[torch.Size, list[torch.Tensor]] = defaultdict(list)
     for matrix in to_compress:
@@ -282,10 +283,13 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     padded_copy = _apply_error_feedback(state, index, padded)
     matrix = padded.view(side, side)
     if not state.warm_start or index not in state.p_memory_dict:
+        # Held here, not read back (see powerSGD_hook).
         generator = torch.Generator().manual_seed(state._random_seed())
-        state.p_memory_dict[index] = torch.empty(side, r, dtype=input_tensor.dtype)
-        state.q_memory_dict[index] = torch.randn(side, r, generator=generator, dtype=input_tensor.dtype)
-    p, q = state.p_memory_dict[index], state.q_memory_dict[index]
+        p = torch.empty(side, r, dtype=input_tensor.dtype)
+        q = torch.randn(side, r, generator=generator, dtype=input_tensor.dtype)
+        state.p_memory_dict[index], state.q_memory_dict[index] = p, q
+    else:
+        p, q = state.p_memory_dict[index], state.q_memory_dict[index]
     _orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
     torch.matmul(matrix, q, out=p)
     _allreduce_future(p, group).wait()  # Q needs the reduced P (see the module docstring)
