@@ -146,6 +146,35 @@ def test_point_to_point(world_size):
     assert results[-1]["objects"] == ({"a": 1}, [1.0, 1.0])
 
 
+def _leave_with_a_pending_irecv(rank, world, store_path):
+    """Rank 1 leaves (destroys its group) with an irecv still pending; ranks 0 and 2,
+    which never wait on it, go on exchanging messages."""
+    store = dist.FileStore(store_path, world)
+    if rank == 1:
+        dist.irecv(torch.zeros(1), src=0)  # never sent
+        dist.destroy_process_group()
+        store.set("left", "1")
+        return None
+    store.wait(["left"])
+    t = torch.zeros(1)
+    if rank == 0:
+        dist.send(torch.full((1,), 7.0), dst=2)
+        return t.item()
+    dist.recv(t, src=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as waiting_on_the_leaver:
+        dist.recv(torch.zeros(1), src=1)
+    return t.item(), str(waiting_on_the_leaver.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_rank_that_leaves_cleanly_does_not_break_the_others(backend, tmp_path):
+    first, _, (received, error, seconds) = run_ranks(_leave_with_a_pending_irecv, 3, backend=backend,
+                                                      args=(str(tmp_path / "store"),))
+    assert (first, received) == (0.0, 7.0)
+    assert "rank 1" in error and seconds < 10, (error, seconds)
+
+
 def test_p2p_op_validation():
     with pytest.raises(ValueError, match="Invalid ``op``"):
         dist.P2POp(dist.broadcast, torch.ones(1), 1)

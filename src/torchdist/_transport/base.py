@@ -151,8 +151,11 @@ class Transport(abc.ABC):
         """Wake a thread blocked in ``progress``/``wait`` (safe from any thread)."""
 
     @abc.abstractmethod
-    def fail(self, error: BaseException) -> None:
-        """Break the transport with ``error``: fail pending transfers, ABORT the peers."""
+    def fail(self, error: BaseException, notify: bool = True) -> None:
+        """Break the transport with ``error``: fail pending transfers and, with
+        ``notify``, ABORT the peers. A rank that leaves cleanly does not notify: peers
+        waiting on it see it leave (closed connections, released segments) and the
+        others go on."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -240,9 +240,9 @@ class LoopbackTransport(Transport):
             return self._matcher.pending() or bool(self._sent)
 
     # -- failure ----------------------------------------------------------------------
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, notify: bool = True) -> None:
         with self.fabric.cond:
-            self._fail_locked(error, True)
+            self._fail_locked(error, notify)
 
     def _fail_locked(self, error: BaseException, notify: bool) -> None:
         if self._error is not None:

@@ -426,12 +426,13 @@ class ShmTransport(Transport):
             self._wake.clear()
 
     # -- failure -----------------------------------------------------------------------
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, notify: bool = True) -> None:
         if self._error is not None:
             return
         self._error = error
         logger.debug("%s: rank %d broken: %s", self.label, self.names[self.rank], error)
-        self.board.publish_abort(str(error))
+        if notify:
+            self.board.publish_abort(str(error))
         self._finish_all(error)
 
     def _finish_all(self, error: BaseException) -> None:

@@ -233,9 +233,9 @@ class Board:
                 self.check_aborts()  # a rank that broke and exited: report its reason
                 name = self.names[peer]
                 raise DistNetworkError(
-                    f"{self.label}: rank {self.names[self.rank]} lost rank {name}: its process is gone "
-                    f"(it exited or was killed while this rank waited for it). See rank {name}'s log "
-                    "for the cause.")
+                    f"{self.label}: rank {self.names[self.rank]} lost rank {name}: it is gone "
+                    f"(it destroyed the group, exited or was killed while this rank waited for it). See "
+                    f"rank {name}'s log for the cause.")
 
     def aborted(self, peer: int) -> DistBackendError:
         """The error for a peer whose step counter went negative."""

@@ -241,7 +241,8 @@ class Segment:
             self.unlinked = True
 
     def owner_alive(self) -> bool:
-        """Whether the process that created this segment still runs (peers only)."""
+        """Whether the process that created this segment still holds it: it has neither
+        closed it (left the group) nor died. Peers only."""
         if self._lock_fd < 0:
             return False
         try:

@@ -475,7 +475,7 @@ class TcpTransport(Transport):
             cause = (f"Rank {name} died, exited or broke the group in the middle of a message to rank "
                      f"{self.names[self.rank]}; see its log for the cause.")
         else:
-            cause = f"Rank {name} most likely died or exited; see its log for the cause."
+            cause = f"Rank {name} most likely died, exited or destroyed the group; see its log for the cause."
         error = DistNetworkError(f"{self.label}: rank {self.names[self.rank]} lost rank {name}: "
                                  f"{self._how_lost(channel)}. {cause}")
         self._fail_lost(error, [channel])
@@ -490,7 +490,7 @@ class TcpTransport(Transport):
         hows = "; ".join(f"rank {self.names[c.peer]}: {self._how_lost(c)}" for c in channels)
         error = DistNetworkError(
             f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: "
-            f"it lost every peer, ranks {names} ({hows}). They most likely died or exited; see their "
+            f"it lost every peer, ranks {names} ({hows}). They most likely died, exited or destroyed the group; see their "
             "logs for the cause.")
         self._fail_lost(error, channels)
 

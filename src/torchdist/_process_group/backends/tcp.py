@@ -462,10 +462,10 @@ class TcpBackend(ProcessGroupBackend):
         """Let queued and running ops finish (within their timeouts: gloo's destructor,
         too, waits for its queue), then close."""
         self._engine.settle(self._seconds + _SETTLE_SLACK_S)
-        self._close(DistBackendError(f"{self._label}: {self._me()} shut the group down"))
+        self._close(DistBackendError(f"{self._label}: {self._me()} shut the group down"), notify=False)
 
     def abort(self) -> None:
-        self._close(DistBackendError(f"{self._label}: {self._me()} aborted the group"))
+        self._close(DistBackendError(f"{self._label}: {self._me()} aborted the group"), notify=True)
 
     def quiesce(self) -> None:
         if os.getpid() != self._pid:
@@ -473,14 +473,18 @@ class TcpBackend(ProcessGroupBackend):
         self._engine.settle(self._seconds + _SETTLE_SLACK_S)
         self._engine.close(DistBackendError(f"{self._label}: {self._me()}: the process is exiting"))
 
-    def _close(self, error: DistBackendError) -> None:
+    def _close(self, error: DistBackendError, notify: bool) -> None:
         """Fail what is queued, stop the worker, and release the transport once no thread
         is inside it: a thread still there (waiting for a message, or in an op of its
-        own) is made to raise first. Shared memory unmapped under it would crash it."""
+        own) is made to raise first. Shared memory unmapped under it would crash it.
+
+        ``notify``: ABORT the peers. A clean shutdown does not: peers waiting on this
+        rank see it leave, the others go on with their own traffic (the worker may
+        still be in its last progress step after a send this rank waited for)."""
         if self._broken is None:
             self._broken = error
         if not self._engine.settle(0.0, transfers_count=True):
-            self._transport.fail(error)  # the thread inside raises (and the peers hear why)
+            self._transport.fail(error, notify)  # the thread inside raises
         self._engine.close(error)
         if not self._engine.settle(_LEAVE_S, transfers_count=True):
             logger.warning("%s: a thread is still inside the group's transport %.0f s after it was told to "
