@@ -234,7 +234,7 @@ class Board:
                 name = self.names[peer]
                 raise DistNetworkError(
                     f"{self.label}: rank {self.names[self.rank]} lost rank {name}: it is gone "
-                    f"(it destroyed the group, exited or was killed while this rank waited for it). See "
+                    "(it destroyed the group, exited or was killed while this rank waited for it). See "
                     f"rank {name}'s log for the cause.")
 
     def aborted(self, peer: int) -> DistBackendError:

@@ -490,8 +490,8 @@ class TcpTransport(Transport):
         hows = "; ".join(f"rank {self.names[c.peer]}: {self._how_lost(c)}" for c in channels)
         error = DistNetworkError(
             f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: "
-            f"it lost every peer, ranks {names} ({hows}). They most likely died, exited or destroyed the group; see their "
-            "logs for the cause.")
+            f"it lost every peer, ranks {names} ({hows}). They most likely died, exited or destroyed "
+            "the group; see their logs for the cause.")
         self._fail_lost(error, channels)
 
     @staticmethod
