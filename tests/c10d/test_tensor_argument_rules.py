@@ -52,9 +52,13 @@ def _views_and_autograd(rank, world):
     x = torch.ones(3, requires_grad=True)
     y = x * 2
     z = (y * y).sum()  # saves y for backward
+    w = torch.full((3,), 3.0)
+    v = (x * w).sum()  # saves w, which does not require grad
     dist.all_reduce(y)
+    dist.all_reduce(w)
     z.backward()  # PyTorch's collectives leave the version counter alone
-    got["version"], got["grad"] = y._version, x.grad.tolist()
+    v.backward()
+    got["version"], got["grad"] = (y._version, w._version), x.grad.tolist()
     base = torch.arange(2.0 * world) + 10 * rank
     out = torch.empty(2 * world)
     dist.all_to_all_single(out, torch._neg_view(base))  # a negative view: its values, not its memory
@@ -78,12 +82,58 @@ def test_flagged_views_aliases_and_saved_tensors_behave_as_in_pytorch(backend):
     results = run_ranks(_views_and_autograd, world, backend=backend, timeout=60)
     total = sum(r + 1 for r in range(world))
     for rank, got in enumerate(results):
-        assert got["version"] == 0 and got["grad"] == [8.0 * world] * 3 and got["no rows"] == (0, 3)
+        assert got["version"] == (0, 0) and got["grad"] == [8.0 * world + 3.0 * world] * 3
+        assert got["no rows"] == (0, 3)
         assert got["neg a2a"] == [-(2.0 * rank + i + 10 * j) for j in range(world) for i in range(2)]
         want = (torch.tensor([1 + 2j, 3 - 1j]).conj() * total)[rank].item()
         assert got["conj rst"] == [want]
         # chunk j of the output receives rank j's input chunk ``rank``, as read before any write
         assert got["overlap"] == [10.0 * rank] + [10.0 * j + 2 * rank + i for j in range(world) for i in range(2)]
+
+
+def _inputs_aliasing_outputs(rank, world, numel):
+    """Each op with an input that shares memory with one of its outputs; what PyTorch gives."""
+    full = lambda value: torch.full((numel,), float(value))  # noqa: E731
+    got = {}
+    pieces = [full(100 * rank + j) for j in range(world)]
+    dist.all_to_all(pieces, pieces)
+    got["all_to_all"] = [p[0].item() for p in pieces]
+    slots = [full(0) for _ in range(world)]
+    other = slots[(rank + 1) % world]
+    other.fill_(rank)
+    dist.all_gather(slots, other)
+    got["all_gather"] = [s[0].item() for s in slots]
+    slots = [full(0) for _ in range(world)] if rank == 0 else None
+    mine = slots[1].fill_(rank) if rank == 0 else full(rank)
+    dist.gather(mine, slots, dst=0)
+    got["gather"] = [s[0].item() for s in slots] if rank == 0 else None
+    pieces = [full(j) for j in range(world)] if rank == 0 else None
+    mine = pieces[1] if rank == 0 else full(-1)
+    dist.scatter(mine, pieces, src=0)
+    got["scatter"] = mine[0].item()
+    for name, slot in (("reduce_scatter own", rank), ("reduce_scatter other", (rank + 1) % world)):
+        pieces = [full(j + 1) for j in range(world)]
+        dist.reduce_scatter(pieces[slot], pieces)
+        got[name] = pieces[slot][0].item()
+    flat = torch.arange(float(world * numel))
+    dist.reduce_scatter_single(flat.chunk(world)[rank], flat)  # FSDP's in-place pattern
+    got["reduce_scatter_single"] = torch.equal(flat.chunk(world)[rank], (world * torch.arange(
+        float(world * numel))).chunk(world)[rank])
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [3, 4])
+def test_inputs_that_alias_outputs_are_read_before_anything_is_written(backend, world):
+    numel = 1 << 16  # large enough that receives land while sends are still in flight
+    for rank, got in enumerate(run_ranks(_inputs_aliasing_outputs, world, args=(numel,), backend=backend,
+                                         timeout=60)):
+        assert got["all_to_all"] == [100.0 * j + rank for j in range(world)]
+        assert got["all_gather"] == [float(j) for j in range(world)]
+        assert got["gather"] == ([float(j) for j in range(world)] if rank == 0 else None)
+        assert got["scatter"] == float(rank)
+        assert got["reduce_scatter own"] == got["reduce_scatter other"] == world * (rank + 1.0)
+        assert got["reduce_scatter_single"]
 
 
 def _signed_zero_max(rank, world, numel, op):

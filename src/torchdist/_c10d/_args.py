@@ -131,6 +131,19 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def read_apart(tensor: torch.Tensor, outputs: list[torch.Tensor], own: int | None = None) -> torch.Tensor:
+    """``tensor``, cloned if it shares memory with any of ``outputs`` except ``outputs[own]``.
+
+    PyTorch's ops read every input before they write an output. Ours receive into an
+    output while an input over the same memory may still be waiting to be sent, so an
+    input aliasing an output (``all_to_all(xs, xs)``) is read from a copy. ``own``: the
+    output that may be the input itself because the op only copies one into the other.
+    """
+    if any(i != own and overlaps(tensor, out) for i, out in enumerate(outputs)):
+        return tensor.clone()
+    return tensor
+
+
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's memory as a plain tensor, outside autograd and inference mode.
 
@@ -138,17 +151,16 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     write parameters (leaves that require grad) and inference tensors in place, and
     leave the version counter alone, so a tensor of the graph saved for backward and
     then all-reduced still backpropagates. Ours are torch ops, which would refuse
-    the first two and bump the counter. A tensor that requires grad gets ``.data``,
-    an alias with a counter of its own that accepts writes. An inference tensor's
+    the first two and bump the counter. So a tensor gets ``.data``, an alias with a
+    counter of its own that accepts writes (even one that does not require grad may
+    have been saved for backward: ``x * w`` saves ``w``). An inference tensor's
     ``.data`` is one too, but its views refuse writes, so it gets a fresh tensor
-    over the same storage. Any other tensor is itself: the op's result is then the
-    caller's very tensor at no cost, but a write bumps its counter (only a tensor
-    outside the graph that autograd saved anyway would notice).
+    over the same storage.
     """
     if tensor.is_inference():
         return torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), tensor.storage_offset(),
                                                        tensor.size(), tensor.stride())
-    return tensor.data if tensor.requires_grad else tensor
+    return tensor.data
 
 
 class Staging:

@@ -22,7 +22,7 @@ import torch
 from .._process_group.reduce_op import COMPLEX_REDUCE_OPS, RedOpType, ReduceOp, as_red_op
 from .._process_group.work import Work
 from ._args import (Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group,
-                    overlaps)
+                    read_apart)
 
 __all__ = [
     "broadcast",
@@ -160,6 +160,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
                 f"all_gather: tensor_list[{i}] has {out.numel()} elements (shape {tuple(out.shape)}) but the "
                 f"input has {tensor.numel()} (shape {tuple(tensor.shape)}); every output must match the input"
             )
+    tensor = read_apart(tensor, outputs, own=pg.rank())
     stage = Staging()
     work = pg.backend.allgather([stage.output(t) for t in outputs], stage.input(tensor), async_op=async_op)
     return stage.finish(work, async_op)
@@ -230,6 +231,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     stage = Staging()
     if pg.rank() == root:
         _check_root_list("gather", tensor, gather_list, pg.size(), "gather_list", "output")
+        tensor = read_apart(tensor, gather_list, own=root)
         outputs = [stage.output(t) for t in gather_list]
     else:
         if gather_list:
@@ -249,7 +251,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     stage = Staging()
     if pg.rank() == root:
         _check_root_list("scatter", tensor, scatter_list, pg.size(), "scatter_list", "input")
-        inputs = [stage.input(t) for t in scatter_list]
+        inputs = [stage.input(read_apart(t, [tensor], own=0 if i == root else None))
+                  for i, t in enumerate(scatter_list)]
     else:
         if scatter_list:
             raise ValueError("scatter: requires empty input on non-root (scatter_list is only given on src)")
@@ -271,9 +274,9 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Red
             f"reduce_scatter: input_list[{pg.rank()}] has {inputs[pg.rank()].numel()} elements but the output "
             f"has {output.numel()}; they must match"
         )
+    inputs = [read_apart(t, [output]) for t in inputs]  # partial sums land in the output: no input may alias it
     stage = Staging()
-    work = pg.backend.reduce_scatter(stage.output(output), [stage.input(t) for t in inputs], op,
-                                     async_op=async_op)
+    work = pg.backend.reduce_scatter(stage.output(output), [stage.input(t) for t in inputs], op, async_op=async_op)
     return stage.finish(work, async_op)
 
 
@@ -301,6 +304,7 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceO
             f"reduce_scatter_single: the input has {input.numel()} elements; it must hold world_size "
             f"({pg.size()}) x the output's {output.numel()}"
         )
+    input = read_apart(input, [output])  # e.g. the output is the input's own chunk: partial sums land there
     stage = Staging()
     work = pg.backend.reduce_scatter_tensor(stage.output(output), stage.input(input), op, async_op=async_op)
     return stage.finish(work, async_op)
@@ -319,6 +323,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     if outputs[me].numel() != inputs[me].numel():  # what this rank sends itself: the sizes are all local
         raise RuntimeError(f"all_to_all: output_tensor_list[{me}] has {outputs[me].numel()} elements but "
                            f"input_tensor_list[{me}], which this rank sends itself, has {inputs[me].numel()}")
+    inputs = [read_apart(t, outputs, own=me if i == me else None) for i, t in enumerate(inputs)]
     stage = Staging()
     work = pg.backend.alltoall([stage.output(t) for t in outputs], [stage.input(t) for t in inputs],
                                async_op=async_op)
@@ -357,8 +362,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if out_sizes[me] * rows_out != in_sizes[me] * rows_in:
         raise RuntimeError(f"all_to_all_single: the chunk this rank sends itself has {in_sizes[me] * rows_in} "
                            f"elements in the input but {out_sizes[me] * rows_out} in the output")
-    if overlaps(input, output):  # PyTorch reads the whole input before writing: so must we
-        input = input.clone()
+    input = read_apart(input, [output])
     stage = Staging()
     out_chunks = [stage.output(t) for t in torch.split(output.view(-1) if output.dim() == 0 else output, out_sizes)]
     in_chunks = [stage.input(t) for t in torch.split(input.view(-1) if input.dim() == 0 else input, in_sizes)]
