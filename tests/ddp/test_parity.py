@@ -304,3 +304,59 @@ def test_torch_compile_matches_single_process(outer, options):
     # the reducer where it expected a weak reference and raised.
     got = run_ranks(_compiled, 2, args=(outer, options), backend="gloo", timeout=100)
     assert_close_states(got[0], train_reference("mlp", 2, 3))
+
+
+class _SparseBag(nn.Module):
+    """An embedding with sparse gradients (its own bucket) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def _sparse_batches(world_size, steps):
+    g = torch.Generator().manual_seed(3)
+    n = world_size * 2
+    return [(torch.randint(0, 12, (n, 3), generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(steps)]
+
+
+def _train_sparse(model, batches, rank, world_size, ddp_kwargs=None, hook=None):
+    """SparseAdam for the embedding (it needs sparse gradients), SGD for the head."""
+    ddp = DDP(model, **ddp_kwargs) if ddp_kwargs is not None else model
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    sparse_opt = torch.optim.SparseAdam([model.emb.weight], lr=LR)
+    dense_opt = torch.optim.SGD(model.head.parameters(), lr=LR)
+    layouts = []
+    for ids, y in batches:
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        rows = slice(2 * rank, 2 * rank + 2) if ddp_kwargs is not None else slice(None)
+        F.cross_entropy(ddp(ids[rows]), y[rows]).backward()
+        layouts.append(model.emb.weight.grad.layout)
+        sparse_opt.step()
+        dense_opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, layouts
+
+
+def _sparse_rank(rank, world_size, hook_name, ddp_kwargs):
+    from torchdist.algorithms.ddp_comm_hooks import default_hooks
+    torch.manual_seed(0)
+    hook = getattr(default_hooks, hook_name) if hook_name else None
+    return _train_sparse(_SparseBag(), _sparse_batches(world_size, 3), rank, world_size, ddp_kwargs, hook)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("hook", [None, "allreduce_hook"])
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"find_unused_parameters": True, "bucket_cap_mb": 0.0001}],
+                         ids=["default", "find-unused-small-buckets"])
+def test_sparse_embedding_gradients_stay_sparse_and_match_single_process(world_size, hook, ddp_kwargs):
+    torch.manual_seed(0)
+    want, _ = _train_sparse(_SparseBag(), _sparse_batches(world_size, 3), 0, world_size)
+    for got, layouts in run_ranks(_sparse_rank, world_size, args=(hook, ddp_kwargs), backend="gloo"):
+        assert layouts == [torch.sparse_coo] * 3  # SparseAdam would have raised on a dense one
+        assert_close_states(got, want, prefix="")

@@ -39,7 +39,7 @@ def sparse_all_reduce(pg: ProcessGroup, tensor: torch.Tensor, op: ReduceOp, asyn
     all_gather(all_values, padded_values, group=pg)
     total = torch.sparse_coo_tensor(torch.cat([i[:, :n] for i, n in zip(all_indices, counts)], dim=1),
                                     torch.cat([v[:n] for v, n in zip(all_values, counts)]),
-                                    tensor.shape).coalesce()
+                                    tensor.shape, check_invariants=True).coalesce()  # peers' indices: checked
     with torch.no_grad():
         tensor.copy_(total)
     work = Work.completed("all_reduce", [tensor])

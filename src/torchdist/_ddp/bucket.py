@@ -8,7 +8,7 @@ packed into *buckets* of up to ``bucket_cap_mb``: the collective of a bucket
 starts as soon as all of its gradients are ready, so communication of the later
 layers overlaps the backward computation of the earlier ones.
 
-Two kinds of bucket:
+Three kinds of bucket:
 
 - *coalesced*: small parameters share a flat tensor that the bucket owns; each
   gradient is copied (divided by the world size) into its slot, and the reduced
@@ -19,7 +19,12 @@ Two kinds of bucket:
   large gradients are already good collective sizes, and the copy in and out
   (2 x 21 MB per step for a 5M-parameter model) costs more than the extra
   collective. The bucket owns a flat tensor only when ``.grad`` cannot be
-  reduced in place (no gradient this iteration, sparse, not contiguous).
+  reduced in place (no gradient this iteration, not contiguous);
+- *sparse*: a parameter whose module makes sparse gradients (``nn.Embedding``
+  or ``nn.EmbeddingBag`` with ``sparse=True``), alone, as in PyTorch: its
+  ``.grad`` is divided and all-reduced as a sparse COO tensor, which becomes
+  the new ``.grad`` (SparseAdam needs one). A sparse gradient anywhere else is
+  densified into its slot.
 
 Bucket order (section 3.2.3, "Parameter-to-Bucket Mapping"): gradients become
 ready roughly in the reverse order of the forward pass, so the first assignment
@@ -47,7 +52,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int],
-                   solo_bytes: int | None = None) -> list[tuple[list[int], bool]]:
+                   solo_bytes: int | None = None,
+                   sparse: Sequence[bool] | None = None) -> list[tuple[list[int], bool]]:
     """Group the parameter indices of ``order`` into buckets: ``[(indices, solo), ...]``.
 
     Walks ``order``; a parameter of at least ``min(solo_bytes, limit)`` bytes gets
@@ -55,9 +61,9 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     their dtype, which is closed once it holds ``limit`` bytes or more. Each
     closed bucket moves its dtype to the next limit (the last one repeats).
     Buckets come out in the order they were closed, then the ones left open.
-    ``solo_bytes=None`` never makes solo buckets. A parameter with sparse
-    gradients would need its own bucket; DDP densifies them, so they are treated
-    like any other parameter.
+    ``solo_bytes=None`` never makes solo buckets. ``sparse[i]``: parameter i
+    gets sparse gradients, so a bucket of its own (a solo one), whatever its size;
+    such buckets do not move their dtype to the next limit.
     """
     open_buckets: dict[torch.dtype, list[int]] = {}
     sizes: dict[torch.dtype, int] = {}
@@ -66,6 +72,9 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     for index in order:
         p = params[index]
         key, nbytes = p.dtype, _nbytes(p)
+        if sparse is not None and sparse[index]:
+            result.append(([index], True))
+            continue
         limit = limits[min(limit_index.get(key, 0), len(limits) - 1)]
         if solo_bytes is not None and nbytes >= min(solo_bytes, limit):
             result.append(([index], True))
@@ -104,7 +113,8 @@ class Bucket:
     """
 
     def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor], solo: bool = False,
-                 allocate: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
+                 allocate: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
+                 sparse: bool = False) -> None:
         """``allocate(numel, dtype)``: where a coalesced bucket's flat tensor lives (None: an
         ordinary tensor). It is called on every rank at the same point (construction), so
         it may be collective; a solo bucket's fallback tensor is allocated on demand,
@@ -112,7 +122,8 @@ class Bucket:
         self.index = index
         self.param_indices = param_indices
         self.params = params
-        self.solo = solo
+        self.solo = solo or sparse
+        self.sparse = sparse  # buffer: the parameter's sparse COO gradient, divided
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype
         self.offsets: list[int] = []
@@ -120,9 +131,9 @@ class Bucket:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self._storage: torch.Tensor | None = None if solo or allocate is None else allocate(self.numel, self.dtype)
+        self._storage: torch.Tensor | None = None if self.solo or allocate is None else allocate(self.numel, self.dtype)
         self._views: list[torch.Tensor] = []
-        self.buffer: torch.Tensor | None = None if solo else self.storage()
+        self.buffer: torch.Tensor | None = None if self.solo else self.storage()
         self.in_grad = False  # this iteration's buffer is the solo parameter's .grad
         self.pending = len(params)  # parameters not ready yet in this iteration
         self.work = None  # the default all-reduce's Work, or
@@ -199,6 +210,8 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._buffer.is_sparse:  # a sparse bucket holds one parameter's gradient, shaped like it
+            return [self._buffer]
         return [self._buffer[o:o + p.numel()].view(p.shape) for p, o in zip(self._parameters, self._offsets)]
 
     def parameters(self) -> list[torch.Tensor]:

@@ -66,6 +66,7 @@ import torch
 
 from .._algorithms.shm_direct import SMALL_BYTES
 from .._c10d.collectives import broadcast
+from .._c10d.sparse import sparse_all_reduce
 from .._process_group.reduce_op import ReduceOp
 from .bucket import Bucket, GradBucket, assign_buckets
 from .config import DDPConfig
@@ -91,6 +92,14 @@ _UNUSED_THEN_USED = (
 _GRAPH_CHANGED = (
     "your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
     "got unused in the second iteration. this is not compatible with static_graph set to True.")
+
+
+def _no_entries(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``param`` with no entries, laid out as an embedding's (one
+    sparse dimension): what a rank without a gradient contributes to a sparse bucket."""
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
+                                   torch.empty((0, *param.shape[1:]), dtype=param.dtype), param.shape,
+                                   check_invariants=False)  # valid by construction
 
 
 def _grad_hook(reducer_ref: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:
@@ -126,12 +135,14 @@ class Reducer:
     """Buckets the gradients of ``params`` and all-reduces them during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group,
-                 config: DDPConfig) -> None:
+                 config: DDPConfig, expect_sparse: Sequence[bool] | None = None) -> None:
+        """``expect_sparse[i]``: parameter i gets sparse gradients (a bucket of its own)."""
         if not params:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
                                "that requires a gradient.")
         self._params = list(params)
         self._names = list(names)
+        self._expect_sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self._params)
         self._group = group
         self._world = group.size()
         self._config = config
@@ -174,9 +185,11 @@ class Reducer:
     # -- buckets ---------------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
         """(Re)create the buckets over ``order``; with bucket views, point ``.grad`` at them."""
-        groups = assign_buckets(self._params, order, self._config.size_limits(), self._config.solo_param_bytes)
+        groups = assign_buckets(self._params, order, self._config.size_limits(), self._config.solo_param_bytes,
+                                self._expect_sparse)
         allocate = self._symmetric_allocator()
-        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx], solo, allocate)
+        self._buckets = [Bucket(i, idx, [self._params[j] for j in idx], solo, allocate,
+                                sparse=solo and self._expect_sparse[idx[0]])
                          for i, (idx, solo) in enumerate(groups)]
         self._where = [(0, 0)] * len(self._params)
         for bucket in self._buckets:
@@ -268,14 +281,16 @@ class Reducer:
         the active ranks' (with bucket views it also holds this rank's ``.grad``)."""
         pending, restore = [], []
         for bucket in self._buckets:
-            if bucket.solo:
+            if bucket.sparse:
+                zeros = _no_entries(bucket.params[0])
+            elif bucket.solo:
                 zeros = torch.zeros(bucket.numel, dtype=bucket.dtype)
             else:
                 zeros = bucket.storage()
                 restore.append((zeros, zeros.clone()))
                 zeros.zero_()
             if self._comm_hook is None:
-                pending.append(self._issue_all_reduce(zeros, self._bucket_op()))
+                pending.append(self._issue_all_reduce(zeros, ReduceOp.SUM if bucket.sparse else self._bucket_op()))
             else:
                 pending.append(self._run_hook(GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                                          bucket.index == len(self._buckets) - 1)))
@@ -442,6 +457,9 @@ class Reducer:
         left from an earlier iteration), zeros if none, as PyTorch's reducer does."""
         p = bucket.params[slot]
         grad = p.grad
+        if bucket.sparse:
+            self._take_sparse(bucket, p, name=self._names[bucket.param_indices[0]])
+            return
         if bucket.solo:
             if (used and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
                     and not grad.requires_grad):
@@ -471,12 +489,27 @@ class Reducer:
             else:
                 view.copy_(grad)
 
+    def _take_sparse(self, bucket: Bucket, p: torch.Tensor, name: str) -> None:
+        """A sparse bucket's buffer: the parameter's sparse gradient divided as a dense one
+        would be (SUM is the only reduction of sparse tensors), or no entries if none."""
+        grad = p.grad
+        if grad is None:
+            bucket.buffer = _no_entries(p)
+            return
+        if not grad.is_sparse:
+            raise RuntimeError(f"Expected variable to have sparse gradient. (DDP: parameter {name} belongs to a "
+                               "module built with sparse=True, but its gradient is dense)")
+        factor = None if self._comm_hook is not None else (self._pre_divisor() or self._world)
+        with torch.no_grad():
+            bucket.buffer = grad / factor if factor not in (None, 1) else grad
+
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             bucket = self._buckets[self._next_bucket]
             self._next_bucket += 1
             if self._comm_hook is None:
-                bucket.work = self._issue_all_reduce(bucket.buffer, self._bucket_op())
+                bucket.work = self._issue_all_reduce(bucket.buffer,
+                                                     ReduceOp.SUM if bucket.sparse else self._bucket_op())
             else:
                 bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
                                                           bucket.offsets, bucket.index == len(self._buckets) - 1))
@@ -494,6 +527,8 @@ class Reducer:
         """All-reduce ``tensor`` (a contiguous flat bucket), to be waited on at the end of
         backward; ``async_op=True`` only where the backend runs it beside backward (see
         the module docstring)."""
+        if tensor.is_sparse:  # gathered and summed now, outside the backend's queue
+            return sparse_all_reduce(self._group, tensor, op, async_op=True)
         backend = self._group.backend
         return backend.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], op,
                                  async_op=getattr(backend, "async_overlaps_compute", False))
@@ -581,6 +616,9 @@ class Reducer:
             return
         value = bucket.future.wait()
         result = value[0] if isinstance(value, (list, tuple)) else value
+        if bucket.sparse and isinstance(result, torch.Tensor) and result.shape == bucket.buffer.shape:
+            bucket.buffer = result  # sparse: the hook's tensor is the new gradient
+            return
         # A longer tensor gives its leading elements, as PyTorch's reducer takes it.
         if not isinstance(result, torch.Tensor) or result.numel() < bucket.buffer.numel():
             raise RuntimeError(
@@ -593,6 +631,10 @@ class Reducer:
         """Make ``.grad`` of the bucket's parameters hold the reduced gradients."""
         if bucket.in_grad:
             return  # reduced in place: .grad holds the average already
+        if bucket.sparse:
+            if used is None or used[bucket.param_indices[0]]:
+                bucket.params[0].grad = bucket.buffer
+            return
         as_view = self._config.gradient_as_bucket_view
         with torch.no_grad():
             for p, index, view in zip(bucket.params, bucket.param_indices, bucket.views):

@@ -121,6 +121,14 @@ def _reduced_parameters(module: torch.nn.Module, ignore: set[str]) -> tuple[list
     return [n for n, _ in named], [p for _, p in named]
 
 
+def _expect_sparse(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[bool]:
+    """Which of ``params`` get sparse gradients: those of an ``Embedding`` or
+    ``EmbeddingBag`` built with ``sparse=True`` (PyTorch's rule)."""
+    sparse = {id(p) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+              and m.sparse for p in m.parameters(recurse=False)}
+    return [id(p) in sparse for p in params]
+
+
 def _find_tensors(obj) -> list[torch.Tensor]:
     """The tensors in a forward's output, as PyTorch's DDP finds them: inside lists,
     tuples, dicts and dataclasses (which pytree does not enter)."""
@@ -235,7 +243,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         verify_param_shapes(params, names, self.process_group)
         if init_sync:
             self._sync_module_states(authoritative_rank=0, buffers=init_sync_buffers)
-        self.reducer = Reducer(params, names, self.process_group, self._config)
+        self.reducer = Reducer(params, names, self.process_group, self._config, _expect_sparse(module, params))
         self._has_rebuilt_buckets = False
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP ---------------------------
@@ -254,7 +262,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.process_group = WORLD.require_default()
         super().__setstate__(state)
         self._module_param_names, self._module_params = _reduced_parameters(self.module, self.parameters_to_ignore)
-        self.reducer = Reducer(self._module_params, self._module_param_names, self.process_group, self._config)
+        self.reducer = Reducer(self._module_params, self._module_param_names, self.process_group, self._config,
+                               _expect_sparse(self.module, self._module_params))
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
