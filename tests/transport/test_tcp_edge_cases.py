@@ -255,3 +255,76 @@ def test_a_break_read_after_the_last_bytes_is_the_next_ops_error() -> None:
         for t in ts:
             t.close()
 
+
+
+# -- the mesh bootstrap ----------------------------------------------------------------------
+
+def _mesh_in_thread(store, rank: int, size: int, timeout: float) -> dict:
+    """Run ``connect_mesh`` for ``rank`` on a thread; the dict gets "sockets" or "error"."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["sockets"] = connect_mesh(store, rank, size, timeout, list(range(size)), "mesh-test")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+    outcome["thread"] = threading.Thread(target=run, daemon=True)
+    outcome["thread"].start()
+    return outcome
+
+
+def test_mesh_drops_strangers_on_its_port_without_delaying_the_peers() -> None:
+    store = torchdist.HashStore()
+    acceptor = _mesh_in_thread(store, 0, 2, timeout=20)
+    host, _, port = store.get("tcp/addr/0").decode().rpartition(":")
+    idle = socket.create_connection((host, int(port)))  # connects and never says a word
+    noise = socket.create_connection((host, int(port)))
+    noise.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # a full hello's worth of someone else's bytes
+    try:
+        start = time.monotonic()
+        dialer = connect_mesh(store, 1, 2, 20, [0, 1], "mesh-test")
+        acceptor["thread"].join(20)
+        assert "error" not in acceptor, acceptor.get("error")
+        assert time.monotonic() - start < 5
+        sock = acceptor["sockets"][1]
+        dialer[0].sendall(b"x")
+        sock.setblocking(True)
+        assert sock.recv(1) == b"x"  # the peer's socket, not a stranger's
+    finally:
+        for s in [idle, noise, *dialer.values(), *acceptor.get("sockets", {}).values()]:
+            s.close()
+
+
+def test_mesh_of_ranks_started_for_different_group_sizes_raises() -> None:
+    store = torchdist.HashStore()
+    acceptor = _mesh_in_thread(store, 0, 2, timeout=20)
+    dialer = _mesh_in_thread(store, 1, 3, timeout=3)  # waits for a rank 2 that never comes
+    acceptor["thread"].join(20)
+    dialer["thread"].join(20)
+    assert isinstance(acceptor.get("error"), DistNetworkError), acceptor
+    assert "group of 3 ranks" in str(acceptor["error"]) and "one of 2" in str(acceptor["error"])
+    assert isinstance(dialer.get("error"), DistNetworkError)
+
+
+class _StoreThatDies(torchdist.HashStore):
+    """A store whose server goes away after ``lives`` seconds."""
+
+    def __init__(self, lives: float) -> None:
+        super().__init__()
+        self._death = time.monotonic() + lives
+
+    def check(self, keys):
+        if time.monotonic() > self._death:
+            raise DistNetworkError("the server closed the connection")
+        return super().check(keys)
+
+
+def test_mesh_waiting_for_peers_notices_the_store_is_gone() -> None:
+    start = time.monotonic()
+    acceptor = _mesh_in_thread(_StoreThatDies(lives=0.5), 0, 2, timeout=30)
+    acceptor["thread"].join(30)
+    assert isinstance(acceptor.get("error"), DistNetworkError), acceptor
+    assert "lost the store" in str(acceptor["error"])
+    assert time.monotonic() - start < 5
