@@ -140,6 +140,30 @@ def test_world_size_that_never_fills_raises_within_the_timeout(how, tmp_path):
     assert "1/3" in message or "num_workers_joined=1" in message, message
 
 
+def _init_with_own_world_size(rank, world_size, sizes, path):
+    """Each rank claims the world size ``sizes[rank]``; what init raises, and how soon."""
+    start = time.monotonic()
+    try:
+        dist.init_process_group("tcp", init_method=f"file://{path}", rank=rank, world_size=sizes[rank],
+                                timeout=timedelta(seconds=3))
+    except (ValueError, dist.DistStoreError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    dist.destroy_process_group()
+    return "nothing", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)], ids=["rank0-smaller", "rank0-larger"])
+def test_ranks_started_with_different_world_sizes_raise_naming_both(sizes, tmp_path):
+    results = run_ranks(_init_with_own_world_size, 2, args=(sizes, str(tmp_path / "s")), timeout=60)
+    [(kind0, message0, elapsed0), (kind1, message1, elapsed1)] = results
+    assert kind1 == "ValueError" and elapsed1 < 2.5, results  # at once, not at the timeout
+    assert "rank 1 was started with world_size=" + str(sizes[1]) in message1 and f"={sizes[0]}" in message1
+    if sizes[0] < sizes[1]:  # rank 0's barrier completes, then it sees rank 1's size
+        assert kind0 == "ValueError" and elapsed0 < 2.5 and f"world_size={sizes[1]}" in message0, results
+    else:  # rank 0 waits for a rank 2 that never comes: the init timeout
+        assert kind0 == "DistStoreError", results
+
+
 def _store_inherits_pg_timeout(rank, world_size):
     dist.init_process_group("tcp", timeout=timedelta(seconds=1))
     try:

@@ -160,11 +160,22 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta
 def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: timedelta) -> None:
     """Return once every rank has arrived, or raise naming the ranks that did not.
 
-    Only ``set`` and ``wait`` (``Store.arrive_and_wait``): a user's store passed to
-    init_process_group needs nothing more, as with PyTorch.
+    Only ``set``, ``get`` and ``wait`` (``Store.arrive_and_wait``): a user's store passed
+    to init_process_group needs nothing more, as with PyTorch.
+
+    Every rank also compares its world size with rank 0's: ranks started with different
+    sizes would otherwise meet, and the smaller group's ranks compute wrong results. A
+    rank that disagrees arrives anyway before it raises, so that rank 0 (whose barrier
+    then completes, if its group is the smaller one) finds the difference at once.
     """
     key = "store_based_barrier_key"
+    store.set(f"world_size/{rank}", str(world_size))
     try:
+        if rank != 0:
+            theirs = int(store.get("world_size/0"))  # rank 0 sets it first thing: waits for its arrival
+            if theirs != world_size:
+                store.set(f"{key}/{rank}", b"1")
+                raise ValueError(_size_mismatch(rank, world_size, 0, theirs))
         store.arrive_and_wait(key, rank, world_size, timeout)
     except DistStoreError as exc:
         raise DistStoreError(
@@ -172,6 +183,17 @@ def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: time
             f"(world_size={world_size}, timeout={timeout}): {exc} Check that every rank was started with the "
             "same world size and rendezvous address."
         ) from exc
+    if rank == 0:
+        for peer in range(1, world_size):
+            theirs = int(store.get(f"world_size/{peer}"))
+            if theirs != world_size:
+                raise ValueError(_size_mismatch(rank, world_size, peer, theirs))
+
+
+def _size_mismatch(rank: int, world_size: int, peer: int, theirs: int) -> str:
+    return (f"init_process_group: rank {rank} was started with world_size={world_size} but rank {peer} with "
+            f"world_size={theirs}; start every rank with the same world size (WORLD_SIZE, or --nnodes x "
+            "--nproc-per-node).")
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
