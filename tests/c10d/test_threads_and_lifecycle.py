@@ -300,3 +300,31 @@ def test_a_forked_child_exits_at_once(backend: str) -> None:
     # callbacks are the parent's: waiting for them, it would wait for ever.
     for returncode, output in _run_ranks_as_programs(_FORKED_CHILD_EXITS.format(backend=backend)):
         assert returncode == 0 and "child 0 quick" in output, output
+
+
+def _collective_in_a_forked_child(rank: int, world: int) -> tuple[str, list[float]]:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the group shares the parent's connections and memory
+        try:
+            dist.all_reduce(torch.ones(2))
+            message = "nothing raised"
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            message = f"{type(exc).__name__}: {exc}"
+        os.write(write_end, message.encode()[:2000])
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    message = os.read(read_end, 4096).decode()
+    os.close(read_end)
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)  # the parents' group is intact
+    return message, t.tolist()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_forked_child_cannot_use_its_parents_group(backend: str) -> None:
+    for rank, (message, after) in enumerate(run_ranks(_collective_in_a_forked_child, 2, backend=backend,
+                                                      timeout=60)):
+        assert message.startswith("DistBackendError") and "is a fork of it" in message, message
+        assert f"rank {rank}" in message and after == [3.0, 3.0]

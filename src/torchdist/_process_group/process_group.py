@@ -13,6 +13,7 @@ bookkeeping users can query: size, rank, name, member ranks, timeout.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 from ..errors import DistBackendError
@@ -44,6 +45,7 @@ class ProcessGroup:
         self._store = store
         self._timeout = timeout
         self._shut_down = False
+        self._pid = os.getpid()  # the process whose sockets, shared memory and threads these are
         self.bound_device_id = None
 
     # -- identity --------------------------------------------------------------------
@@ -83,11 +85,18 @@ class ProcessGroup:
 
     @property
     def backend(self) -> ProcessGroupBackend:
-        """The backend that moves this group's bytes; raises once the group is shut down."""
+        """The backend that moves this group's bytes; raises once the group is shut down,
+        and in a forked child, whose ops would interleave with the parent's on the same
+        connections and shared memory."""
         if self._shut_down:
             raise DistBackendError(
                 f"process group {self._group_name!r} was destroyed; create a new group to communicate"
             )
+        if os.getpid() != self._pid:
+            raise DistBackendError(
+                f"process group {self._group_name!r} (rank {self.rank()}) belongs to process {self._pid}; this "
+                f"process ({os.getpid()}) is a fork of it and cannot communicate through it. Start workers with "
+                "the 'spawn' method, or fork before init_process_group.")
         return self._backend
 
     def _get_backend(self, device=None) -> ProcessGroupBackend:
