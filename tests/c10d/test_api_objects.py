@@ -35,6 +35,30 @@ def test_reduce_op_compares_unequal_to_unrelated_objects():
     assert dist.supports_complex(dist.ReduceOp.SUM) and not dist.supports_complex(dist.ReduceOp.MAX)
 
 
+def test_reduce_op_construction_calls_and_hashing_as_in_pytorch():
+    R = dist.ReduceOp
+    for bad in ((), (0,), ("SUM",), (R(R.SUM),)):  # PyTorch's binding takes a RedOpType member only
+        with pytest.raises(TypeError):
+            R(*bad)
+    with pytest.raises(RuntimeError, match="_make_nccl_premul_sum"):
+        R(R.PREMUL_SUM)  # a PREMUL_SUM without its factor
+    premul = R.PREMUL_SUM(2.0)
+    assert isinstance(premul, R) and premul.op == R.PREMUL_SUM and premul.factor == 2.0
+    with pytest.raises(RuntimeError, match="Only PREMUL_SUM supports calling with a factor"):
+        R.SUM(1.0)
+    assert premul == R.PREMUL_SUM == R.PREMUL_SUM(3.0)  # equality and hash look at the kind only
+    assert hash(R(R.SUM)) == hash(R.SUM) and {R(R.MAX): 1}[R.MAX] == 1
+
+
+def test_deprecated_reduce_op_has_every_member_and_warns():
+    with pytest.warns(FutureWarning, match="reduce_op` is deprecated"):
+        assert dist.reduce_op.SUM is dist.ReduceOp.SUM
+    with pytest.warns(FutureWarning):
+        members = {name: getattr(dist.reduce_op, name) for name in
+                   ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")}
+    assert members == {name: getattr(dist.ReduceOp, name) for name in members}
+
+
 def test_backend_names():
     assert dist.Backend("GLOO") == "gloo"
     assert dist.Backend("Tcp") == "tcp"

@@ -149,3 +149,17 @@ def _signed_zero_max(rank, world, numel, op):
 def test_min_max_of_signed_zeros_are_the_same_bits_on_every_rank(backend, numel, op):
     results = run_ranks(_signed_zero_max, 2, args=(numel, getattr(dist.ReduceOp, op)), backend=backend, timeout=60)
     assert results[0] == results[1]
+
+
+def _premul_factors(rank, world):
+    got = []
+    for factor in (2.0, 3.0, torch.tensor(0.5), torch.tensor(0.25)):  # equal ops to ==, not to the cache
+        t = torch.ones(3)
+        dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(factor))
+        got.append(t[0].item())
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_premul_sums_with_different_factors_are_different_reductions(backend):
+    assert run_ranks(_premul_factors, 2, backend=backend, timeout=60) == [[4.0, 6.0, 1.0, 0.5]] * 2

@@ -30,7 +30,7 @@ from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.base import Transport
 from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, reduction_key
 from ..work import Work
 from .tcp import WAKE_BYTES, TcpBackend, memo
 
@@ -126,7 +126,7 @@ class ShmBackend(TcpBackend):
         reduce-op translation and fingerprint cost more than a small op's data."""
         if len(tensors) == 1 and self._broken is None and (not async_op or self._runs_inline(tensors)):
             tensor = tensors[0]
-            plan = memo(self._plans, (op, tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
+            plan = memo(self._plans, (reduction_key(op), tensor.dtype, tensor.numel()), self._plan, op, tensor.dtype,
                         tensor.numel())
             if plan is not None:
                 fingerprint, combine, finish = plan

@@ -53,7 +53,7 @@ from ..._transport.framing import MsgKind, OpFingerprint, OpKind
 from ..._transport.mesh import connect_mesh
 from ..._transport.tcp import TcpTransport
 from ..backend import ProcessGroupBackend
-from ..reduce_op import ReduceOp, RedOpType, as_red_op
+from ..reduce_op import ReduceOp, RedOpType, as_red_op, reduction_key
 from ..work import Work
 
 __all__ = ["TcpBackend", "memo"]
@@ -263,7 +263,7 @@ class TcpBackend(ProcessGroupBackend):
     def _reduction(self, op: ReduceOp, dtype: torch.dtype):
         """(fingerprint code, combiner, pre-scale factor or None, divide-by-size?), cached:
         working it out costs a few microseconds, a fifth of a small shared-memory op."""
-        return memo(self._reductions, (op, dtype), self._work_out_reduction, op, dtype)
+        return memo(self._reductions, (reduction_key(op), dtype), self._work_out_reduction, op, dtype)
 
     def _work_out_reduction(self, op: ReduceOp, dtype: torch.dtype):
         kind, factor = as_red_op(op)
