@@ -178,3 +178,31 @@ def _int_timeout(rank, world):
 
 def test_init_takes_a_timedelta_timeout_only():
     assert run_ranks(_int_timeout, 1, timeout=60) == ["TypeError"]
+
+
+def _exception_types_of_queries_and_coalesced_ops(rank, world):
+    import warnings
+    got = {}
+    got["all_reduce_coalesced []"] = _raises(NotImplementedError, dist.all_reduce_coalesced, [])
+    got["all_gather_coalesced []"] = _raises(NotImplementedError, dist.all_gather_coalesced,
+                                             [[] for _ in range(world)], [])
+    got["barrier int timeout"] = _raises(TypeError, dist.barrier, timeout=5)
+    got["get_rank str"] = _raises(ValueError, dist.get_rank, "x")
+    got["get_backend str"] = _raises(ValueError, dist.get_backend, "x")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = torch.ones(2)
+        dist.all_reduce_coalesced([t])
+        dist.all_gather_coalesced([[torch.zeros(2)] for _ in range(world)], [t])
+    got["warnings"] = sorted({str(w.message).split("`")[1] for w in caught if w.category is FutureWarning})
+    got["value"] = t.tolist()
+    return got
+
+
+def test_queries_and_coalesced_ops_raise_and_warn_as_pytorch():
+    for got in run_ranks(_exception_types_of_queries_and_coalesced_ops, 2, backend="gloo", timeout=60):
+        assert got == {"all_reduce_coalesced []": "NotImplementedError",
+                       "all_gather_coalesced []": "NotImplementedError", "barrier int timeout": "TypeError",
+                       "get_rank str": "ValueError", "get_backend str": "ValueError",
+                       "warnings": ["torchdist.all_gather_coalesced", "torchdist.all_reduce_coalesced"],
+                       "value": [2.0, 2.0]}

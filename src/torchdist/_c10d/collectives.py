@@ -21,8 +21,8 @@ import torch
 
 from .._process_group.reduce_op import COMPLEX_REDUCE_OPS, RedOpType, ReduceOp, as_red_op
 from .._process_group.work import Work
-from ._args import (Staging, all_of, check_list, check_same_dtype, check_tensor, group_root, member_group,
-                    read_apart)
+from ._args import (Staging, all_of, check_list, check_same_dtype, check_tensor, check_timeout, group_root,
+                    member_group, read_apart)
 
 __all__ = [
     "broadcast",
@@ -118,14 +118,28 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, as
     return stage.finish(pg.backend.allreduce([stage.output(tensor)], op, async_op=async_op), async_op)
 
 
+def _warn_coalesced(op: str) -> None:
+    warnings.warn(f"`torchdist.{op}` will be deprecated (as `torch.distributed.{op}` in PyTorch 2.13); "
+                  "use one collective per tensor, or flatten the tensors into one.", FutureWarning, stacklevel=3)
+
+
+def _require_tensors(op: str, tensors: list[torch.Tensor]) -> None:
+    """PyTorch's dispatcher has nothing to dispatch on without a tensor: NotImplementedError."""
+    if len(tensors) == 0:
+        raise NotImplementedError(f"{op}: There were no tensor arguments to this function (you passed an empty "
+                                  "list of Tensors); pass at least one tensor")
+
+
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group=None,
                          async_op: bool = False) -> torch.futures.Future | None:
     """``all_reduce`` of several tensors of one dtype in a single operation."""
+    _warn_coalesced("all_reduce_coalesced")
     pg = member_group(group, "all_reduce_coalesced")
     if pg is None:
         return None
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
+    _require_tensors("all_reduce_coalesced", tensors)
     check_same_dtype("all_reduce_coalesced", tensors)
     _check_op("all_reduce_coalesced", op, tensors)
     stage = Staging()
@@ -199,9 +213,11 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
                          group=None, async_op: bool = False) -> torch.futures.Future | None:
     """``all_gather`` of several tensors; ``output_tensor_lists[r][i]`` gets rank r's ``input_tensor_list[i]``."""
+    _warn_coalesced("all_gather_coalesced")
     pg = member_group(group, "all_gather_coalesced")
     if pg is None:
         return None
+    _require_tensors("all_gather_coalesced", input_tensor_list)
     outputs = check_list("all_gather_coalesced", output_tensor_lists, pg.size(), "output_tensor_lists")
     for per_rank in outputs:
         check_list("all_gather_coalesced", per_rank, len(input_tensor_list), "each output list")
@@ -374,6 +390,7 @@ def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timede
 
     ``timeout``: the barrier's own limit (default: the group's); past it, the barrier
     fails naming the ranks that did not arrive, and the group is broken."""
+    check_timeout(timeout)
     pg = member_group(group, "barrier")
     if pg is None:
         return None

@@ -266,6 +266,8 @@ def _close_store(store: Store) -> None:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (global rank by default); -1 for a non-member."""
+    if _not_a_group(group):
+        raise ValueError(f"Group {group!r} is not registered, please create group with torchdist.new_group API")
     pg = WORLD.resolve(group)
     return -1 if pg is NON_GROUP_MEMBER else pg.rank()
 
@@ -276,10 +278,18 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> Backend:
+    if _not_a_group(group):
+        raise ValueError(f"Process group {group!r} is not initialized in the world group map. Please initialize "
+                         "the group first.")
     pg = WORLD.resolve(group)
     if pg is NON_GROUP_MEMBER:
         raise ValueError("Invalid process group specified")
     return Backend(pg.name())
+
+
+def _not_a_group(group: object) -> bool:
+    """Neither a group nor None: get_rank and get_backend say ValueError, as PyTorch's."""
+    return group is not None and group is not NON_GROUP_MEMBER and not isinstance(group, ProcessGroup)
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
