@@ -497,6 +497,25 @@ def test_truncated_frames_then_disconnect_do_not_harm_the_server(master: TCPStor
     assert master._server.running
 
 
+def test_incomplete_requests_of_all_clients_are_held_within_a_budget(master: TCPStore, client: TCPStore,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setattr(tcp_server, "_PARTIAL_BUDGET", 1 << 20)
+    frames = {name: wire.key_value(Op.SET, f"/{name}".encode(), name.encode() * (600 << 10)) for name in "abc"}
+    socks = {}
+    for name, part in (("a", 500 << 10), ("b", 500 << 10), ("c", 100 << 10)):  # c passes 1 MiB in all
+        socks[name] = _raw(master.port)
+        _hello(socks[name])
+        socks[name].sendall(frames[name][:part])
+        time.sleep(0.3)  # read by the server before the next client's bytes
+    assert _dropped(socks.pop("c"))
+    for name, sock in socks.items():  # the clients within the budget finish their requests
+        sock.sendall(frames[name][500 << 10:])
+    assert client.get("a") == b"a" * (600 << 10) and client.get("b") == b"b" * (600 << 10)
+    assert not client.check(["c"]) and master._server._partial_bytes == 0
+    for sock in socks.values():
+        sock.close()
+
+
 def test_version_mismatch_is_answered_then_dropped(master: TCPStore) -> None:
     sock = _raw(master.port)
     reply = _hello(sock, version=wire.VERSION + 1)

@@ -17,6 +17,9 @@ over :data:`~torchdist._store.wire.MAX_FRAME`, a malformed body, a request while
 it waits) is logged and disconnected; every other failure in a handler is caught
 the same way, so no peer can stop the loop. A peer that does not read its replies
 stops being read until they drain, which bounds what it can make the server buffer.
+Requests still arriving are buffered up to :data:`_PARTIAL_BUDGET` for all clients
+together (one frame may be 64 MiB; many clients each sending part of one would
+otherwise hold gigabytes): the client whose bytes would pass it is disconnected.
 A connection that has not finished the handshake :data:`_HANDSHAKE_S` after it was
 accepted is dropped, so silent peers (a port scan, a hung client) cannot pile up
 descriptors; a client past the handshake may stay idle as long as it likes.
@@ -58,6 +61,8 @@ __all__ = ["TCPServer", "acquire_server", "release_server"]
 log = logging.getLogger(__name__)
 
 _RECV_SIZE = 256 * 1024
+#: Bytes of incomplete requests the server holds for all clients together (8 x MAX_FRAME).
+_PARTIAL_BUDGET = 512 * 1024 * 1024
 _BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _WAKE = object()  # selector data of the socket that interrupts select() on stop()
 _KEY_LENGTHS = struct.Struct("<II")  # COMPARE_SET: key and expected lengths
@@ -97,12 +102,13 @@ _HELLO, _NONCE, _PROOF, _READY = range(4)
 class _Conn:
     """One client connection and its buffers; ``waiter`` is set while it WAITs."""
 
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "ready", "stage", "auth", "waiter")
+    __slots__ = ("sock", "peer", "inbuf", "counted", "outbuf", "ready", "stage", "auth", "waiter")
 
     def __init__(self, sock: socket.socket, peer: object) -> None:
         self.sock: socket.socket | None = sock  # None once closed
         self.peer = peer
         self.inbuf = bytearray()  # bytes received but not yet a whole frame
+        self.counted = 0  # len(inbuf) as the server's total of partial bytes counts it
         self.outbuf = bytearray()  # reply bytes the socket did not take yet
         self.ready = False  # handshake over: stage == _READY, kept as a bool for the hot path
         self.stage = _HELLO
@@ -135,6 +141,7 @@ class TCPServer:
         self._waiters: dict[str, dict[_Waiter, None]] = {}  # dict: ordered set, O(1) removal
         self._changed: list[str] = []
         self._conns: set[_Conn] = set()
+        self._partial_bytes = 0  # the sum of the connections' len(inbuf): see _PARTIAL_BUDGET
         # Accepted connections still in the handshake, with their deadlines, oldest first
         # (every deadline is accept time + _HANDSHAKE_S, so the order is the deadlines').
         self._handshaking: deque[tuple[float, _Conn]] = deque()
@@ -277,6 +284,9 @@ class TCPServer:
         conn.sock.close()
         conn.sock = None
         self._conns.discard(conn)
+        self._partial_bytes -= conn.counted
+        conn.counted = 0
+        conn.inbuf = bytearray()
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -339,6 +349,15 @@ class TCPServer:
             self._close(conn)
         except (ValueError, IndexError, UnicodeDecodeError, struct.error) as exc:
             log.warning("TCPStore server: dropping client %r: malformed request (%s)", conn.peer, exc)
+            self._close(conn)
+        if conn.sock is None or len(conn.inbuf) == conn.counted:
+            return
+        self._partial_bytes += len(conn.inbuf) - conn.counted
+        conn.counted = len(conn.inbuf)
+        if conn.inbuf and self._partial_bytes > _PARTIAL_BUDGET:
+            log.warning("TCPStore server: dropping client %r: the incomplete requests of all clients would hold "
+                        "%d MiB, over the server's %d MiB", conn.peer, self._partial_bytes >> 20,
+                        _PARTIAL_BUDGET >> 20)
             self._close(conn)
 
     def _handle_frames(self, conn: _Conn, buf: bytes | bytearray) -> int:
