@@ -354,3 +354,21 @@ def _twice(rank, world_size):
 def test_parameter_marked_ready_twice_raises(world_size):
     for msg in run_ranks(_twice, world_size, backend="gloo"):
         assert msg is not None and "Expected to mark a variable ready only once" in msg, msg
+
+
+def _static_graph_with_find_unused_warnings(rank, world_size):
+    import warnings
+    messages = {}
+    for how in ("constructor", "_set_static_graph"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = DDP(nn.Linear(2, 2), find_unused_parameters=True, static_graph=how == "constructor")
+            if how == "_set_static_graph":
+                ddp._set_static_graph()
+        messages[how] = [str(w.message) for w in caught if "will detect unused parameters" in str(w.message)]
+    return messages
+
+
+def test_static_graph_with_find_unused_parameters_warns_as_pytorch():
+    [messages] = run_ranks(_static_graph_with_find_unused_warnings, 1, backend="gloo", timeout=60)
+    assert all(len(found) == 1 for found in messages.values()), messages

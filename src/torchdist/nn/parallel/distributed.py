@@ -245,6 +245,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._sync_module_states(authoritative_rank=0, buffers=init_sync_buffers)
         self.reducer = Reducer(params, names, self.process_group, self._config, _expect_sparse(module, params))
         self._has_rebuilt_buckets = False
+        if static_graph:
+            self._warn_if_find_unused_with_static_graph()
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP ---------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -394,6 +396,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         self.reducer.set_static_graph()
         self.static_graph = True
+        self._warn_if_find_unused_with_static_graph()
+
+    def _warn_if_find_unused_with_static_graph(self) -> None:
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+                "sure these unused parameters will not change during training loop while calling "
+                "`_set_static_graph`.", stacklevel=3)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: torch.nn.Module, params_and_buffers_to_ignore) -> None:
