@@ -158,3 +158,34 @@ def test_a_step_published_before_a_break_still_completes() -> None:
     finally:
         for t in ts:
             t.close()
+
+
+def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed():
+    from torchdist._transport.shm import CHUNK_BYTES, RING_BYTES
+    from torchdist._transport.shm_board import Layout
+    from torchdist._transport.shm_segment import Segment
+    from torchdist.errors import DistNetworkError
+
+    store = HashStore()
+    outcome: dict = {}
+
+    def rank0() -> None:
+        try:
+            outcome["transport"] = ShmTransport.connect(store, 0, 2, 30.0, [0, 1], "setup")
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+    thread = threading.Thread(target=rank0, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    # Rank 1 creates and publishes its segment, then dies (as under SIGKILL: lock gone, name left)
+    # before it has mapped rank 0's and arrived.
+    store.wait(["shm/segment/0"])
+    segment = Segment.create(Layout(2, RING_BYTES, CHUNK_BYTES).total, 1, "setup")
+    store.set("shm/segment/1", segment.path)
+    segment.drop_lock()
+    thread.join(30)
+    assert isinstance(outcome.get("error"), DistNetworkError), outcome
+    assert "ranks [1] exited while the group's shared memory was being set up" in str(outcome["error"])
+    assert time.monotonic() - start < 5
+    assert not os.path.exists(segment.path)
+    segment.buf.close()

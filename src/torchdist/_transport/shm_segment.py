@@ -240,6 +240,11 @@ class Segment:
             _unlink_quietly(self.path)
             self.unlinked = True
 
+    def remove_name(self) -> None:
+        """A peer's segment whose owner exited before unlinking it: remove the name, so
+        that the memory goes when the last mapping does instead of outliving the job."""
+        _unlink_quietly(self.path)
+
     def owner_alive(self) -> bool:
         """Whether the process that created this segment still holds it: it has neither
         closed it (left the group) nor died. Peers only."""
