@@ -135,3 +135,20 @@ def test_join_with_ddp_and_zero_finishes_with_identical_replicas():
     a, b = run_ranks(_ddp_and_zero, 2, backend="gloo")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_a_joinable_whose_constructor_skips_joinables_raises_assertion_error_as_pytorch():
+    from torchdist.algorithms import Joinable
+
+    class Forgetful(Joinable):
+        def __init__(self) -> None:  # does not call Joinable.__init__
+            pass
+
+        def join_hook(self, **kwargs):
+            raise AssertionError("not reached")
+
+        join_device = torch.device("cpu")
+        join_process_group = None
+
+    with pytest.raises(AssertionError, match="constructor calls the ``Joinable`` constructor"):
+        Join.notify_join_context(Forgetful())

@@ -153,7 +153,7 @@ class Join:
     def notify_join_context(joinable: Joinable):
         """Called by a joinable at the start of each iteration; returns the async all-reduce's Work or None."""
         if not hasattr(joinable, "_join_config"):
-            raise RuntimeError(f"Check that the {type(joinable)} constructor calls the ``Joinable`` constructor")
+            raise AssertionError(f"Check that the {type(joinable)} constructor calls the ``Joinable`` constructor")
         config = joinable._join_config
         if not config.is_first_joinable or not config.enable:
             return None
