@@ -145,11 +145,11 @@ def _accept_higher(listener: socket.socket, store, rank: int, size: int, deadlin
                     _drop(selector, hellos, conn, rank, names, "sent no torchdist hello")
                     continue
                 if peer_size != size:
+                    who = names[peer] if 0 <= peer < size else peer
                     raise DistNetworkError(
-                        f"{label}: rank {names[peer] if 0 <= peer < size else peer} was started for a group of "
-                        f"{peer_size} ranks, but rank "
-                        f"{names[rank]} for one of {size}. Start every rank with the same world size "
-                        "(WORLD_SIZE / --nproc-per-node x --nnodes) or the same ranks list.")
+                        f"{label}: rank {who} was started for a group of {peer_size} ranks, but rank {names[rank]} "
+                        f"for one of {size}. Start every rank with the same world size (WORLD_SIZE / "
+                        "--nproc-per-node x --nnodes) or the same ranks list.")
                 if not rank < peer < size or peer in sockets:
                     raise DistNetworkError(
                         f"{label}: rank {names[rank]} was dialed by a second rank {peer} (or one that should "
@@ -194,7 +194,8 @@ def _check_store(store, rank: int, names: list[int], label: str) -> bool:
     return True
 
 
-def _dial(address: str, rank: int, size: int, peer: int, deadline: float, names: list[int], label: str) -> socket.socket:
+def _dial(address: str, rank: int, size: int, peer: int, deadline: float, names: list[int],
+          label: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     delay = 0.01
     while True:
