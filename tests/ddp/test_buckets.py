@@ -55,6 +55,23 @@ def test_config_rejects_non_positive_solo_bytes():
         DDPConfig(solo_param_bytes=0)
 
 
+def test_a_small_first_bucket_only_with_the_default_cap_as_in_pytorch():
+    assert DDPConfig().size_limits() == [1 << 20, 25 << 20]  # PyTorch's _DEFAULT_FIRST_BUCKET_BYTES
+    assert DDPConfig(bucket_cap_mb=4, first_bucket_bytes=None).size_limits() == [4 << 20]
+
+
+def _layout_with_cap(rank, world_size, cap_mb):
+    model = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(7)))  # 256 KiB weights
+    return DDP(model, bucket_cap_mb=cap_mb)._get_ddp_logging_data()["bucket_sizes"]
+
+
+def test_a_cap_the_user_chose_applies_to_the_first_bucket():
+    # 1.75 MiB of gradients and a chosen 1.5 MiB cap: the first bucket closes at 1.5 MiB
+    # (six weights), as PyTorch's does, not at the 1 MiB of the default cap's first bucket.
+    [sizes] = run_ranks(_layout_with_cap, 1, args=(1.5,), backend="gloo", timeout=60)
+    assert sizes == [1536 << 10, 256 << 10]
+
+
 def _in_place(rank, world_size, set_to_none):
     model = build("mlp")
     produced = {}  # parameter name -> data_ptr of the .grad autograd produced, seen before DDP's hook

@@ -25,6 +25,8 @@ MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: PyTorch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket (the last layers'
 #: gradients, which arrive first) is kept small so that communication starts early.
+#: As in PyTorch, only with the default ``bucket_cap_mb``: a cap the user chose applies
+#: to the first bucket too.
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
 #: A parameter of at least this many bytes (or of at least its bucket's limit) gets a
 #: solo bucket: its gradient is all-reduced in place instead of being copied into a
@@ -39,7 +41,7 @@ class DDPConfig:
     """How the Reducer buckets and reduces gradients (validated in ``__post_init__``)."""
 
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
+    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES  # None: as large as the others
     bucket_cap_mb_list: tuple[float, ...] | None = None
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
@@ -51,7 +53,7 @@ class DDPConfig:
     def __post_init__(self) -> None:
         if self.solo_param_bytes <= 0:
             raise ValueError(f"solo_param_bytes must be positive, got {self.solo_param_bytes!r}")
-        if self.first_bucket_bytes <= 0:
+        if self.first_bucket_bytes is not None and self.first_bucket_bytes <= 0:
             raise ValueError(f"first_bucket_bytes must be positive, got {self.first_bucket_bytes!r}")
         if self.bucket_cap_mb_list is not None:
             if not self.bucket_cap_mb_list or any(not mb > 0 for mb in self.bucket_cap_mb_list):
@@ -67,4 +69,6 @@ class DDPConfig:
         """Byte limits of the buckets in order; the last one repeats for all later buckets."""
         if self.bucket_cap_mb_list is not None:
             return [int(mb * MiB) for mb in self.bucket_cap_mb_list]
+        if self.first_bucket_bytes is None:
+            return [self.bucket_bytes_cap]
         return [min(self.first_bucket_bytes, self.bucket_bytes_cap), self.bucket_bytes_cap]

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..._c10d.collectives import all_reduce
 from ..._c10d.world import WORLD
 from ..._ddp.bucket import GradBucket
-from ..._ddp.config import DEFAULT_BUCKET_CAP_MB, DDPConfig
+from ..._ddp.config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, DDPConfig
 from ..._ddp.reducer import Reducer
 from ..._ddp.sync import broadcast_coalesced, find_common_rank, verify_param_shapes
 from ...algorithms.join import Join, JoinHook, Joinable
@@ -226,6 +226,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._config = DDPConfig(
             bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else None,
             bucket_cap_mb_list=tuple(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None,
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, broadcast_buffers=self.broadcast_buffers, init_sync=init_sync)
