@@ -93,6 +93,7 @@ def test_public_front_only_reexports():
         "send_object_list", "recv_object_list", "rendezvous", "register_rendezvous_handler",
         "is_backend_available", "default_pg_timeout", "is_gloo_available", "is_nccl_available", "is_mpi_available",
         "is_ucc_available", "is_xccl_available", "get_default_backend_for_device",
+        "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
     ],
 )
 def test_torch_distributed_name_is_exported(name):

@@ -14,6 +14,7 @@ from ._process_group.registry import (Backend, BackendConfig, get_default_backen
                                       is_xccl_available)
 from ._process_group.work import Work
 from ._c10d.world import GroupMember, group
+from ._c10d.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from ._c10d.init import (
     default_pg_timeout,
     destroy_process_group,
@@ -80,6 +81,7 @@ __all__ = [
     "is_xccl_available", "get_default_backend_for_device", "GroupMember", "group", "default_pg_timeout",
     "init_process_group", "destroy_process_group", "is_available", "is_initialized", "is_torchelastic_launched",
     "get_rank", "get_world_size", "get_backend", "get_node_local_rank",
+    "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
     "get_global_rank", "get_group_rank", "get_pg_count", "get_process_group_ranks",
     # collectives

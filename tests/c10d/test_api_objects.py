@@ -59,6 +59,26 @@ def test_deprecated_reduce_op_has_every_member_and_warns():
     assert members == {name: getattr(dist.ReduceOp, name) for name in members}
 
 
+def test_debug_level_from_the_environment_and_set_as_in_pytorch(monkeypatch):
+    import logging
+    before = dist.get_debug_level()
+    try:
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")  # any case
+        dist.set_debug_level_from_env()
+        assert dist.get_debug_level() is dist.DebugLevel.DETAIL and str(dist.DebugLevel.DETAIL) == "DebugLevel.DETAIL"
+        assert logging.getLogger("torchdist").level == logging.DEBUG
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "verbose")
+        with pytest.raises(ValueError, match="must be OFF, INFO, or DETAIL"):
+            dist.set_debug_level_from_env()
+        with pytest.raises(TypeError):
+            dist.set_debug_level("INFO")
+        dist.set_debug_level(dist.DebugLevel.INFO)
+        assert dist.get_debug_level() == 1 and logging.getLogger("torchdist").level == logging.INFO
+    finally:
+        dist.set_debug_level(before)
+        logging.getLogger("torchdist").setLevel(logging.NOTSET)
+
+
 def test_backend_names():
     assert dist.Backend("GLOO") == "gloo"
     assert dist.Backend("Tcp") == "tcp"
