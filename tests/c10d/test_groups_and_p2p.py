@@ -180,6 +180,8 @@ def test_p2p_op_validation():
         dist.P2POp(dist.broadcast, torch.ones(1), 1)
     with pytest.raises(ValueError, match="Invalid ``p2p_op_list``"):
         dist.batch_isend_irecv([object()])
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):  # at construction, as PyTorch
+        dist.P2POp(dist.isend, [1], 1)
 
 
 class _Payload:
@@ -328,6 +330,40 @@ def test_object_lists_longer_or_shorter_than_the_group_as_pytorch():
             assert short == list(range(world - 1)) and "has no place" in error
         else:
             assert short == list(range(world)) and error is None
+
+
+def _object_list_longer_than_sent(rank, world):
+    if rank == 0:
+        dist.send_object_list(["a", {"b": 2}], dst=1)
+        dist.send_object_list(["after"], dst=1)
+        return None
+    mine = ["x", "y", "z"]
+    try:
+        dist.recv_object_list(mine, src=0)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = [None]
+    dist.recv_object_list(after, src=0)  # the stream is still in step
+    return mine, error, after
+
+
+def test_recv_object_list_longer_than_what_was_sent_raises_and_leaves_the_list():
+    _, (mine, error, after) = run_ranks(_object_list_longer_than_sent, 2, backend="tcp", timeout=60)
+    assert mine == ["x", "y", "z"] and after == ["after"]
+    assert "received 2 objects from rank 0 into a list of 3" in error, error
+
+
+def _monitored_with_float_timeout(rank, world):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.monitored_barrier(timeout=5.0)
+    return [str(w.message) for w in caught]
+
+
+def test_monitored_barrier_takes_seconds_with_pytorchs_warning():
+    for messages in run_ranks(_monitored_with_float_timeout, 2, backend="tcp", timeout=60):
+        assert any("Please specify timeout arg as a timedelta" in m for m in messages), messages
 
 
 def _monitored(rank, world, missing):

@@ -171,8 +171,14 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group=None,
     sender = p2p.recv(sizes, group=pg, group_src=peer)
     payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     p2p.recv(payload, group=pg, group_src=peer)
-    offset = 0
-    for i, size in enumerate(sizes.tolist()):
-        object_list[i] = _from_tensor(payload[offset:], size)
+    sizes = sizes.tolist()
+    if 0 in sizes:  # a pickle is never empty: the sender sent fewer objects than the list holds
+        raise RuntimeError(
+            f"recv_object_list: rank {pg.rank()} received {sizes.index(0)} objects from rank {peer} into a list of "
+            f"{len(object_list)}; object_list must be as long as the sender's (it is left as it was)")
+    received, offset = [], 0
+    for size in sizes:  # all unpickled before any is stored: a failure leaves object_list as it was
+        received.append(_from_tensor(payload[offset:], size))
         offset += size
+    object_list[:len(received)] = received
     return sender

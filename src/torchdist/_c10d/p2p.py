@@ -8,6 +8,7 @@ takes the first matching message from any rank and returns the sender's rank.
 from __future__ import annotations
 
 import time
+import warnings
 from datetime import timedelta
 from typing import Callable
 
@@ -107,6 +108,7 @@ class P2POp:
             )
         if peer is None and group_peer is None:
             raise ValueError("P2POp: peer or group_peer must be given")
+        check_tensor("P2POp", tensor)  # at construction, as PyTorch: not when the batch runs
         self.op = op
         self.tensor = tensor
         self.tag = tag
@@ -154,8 +156,13 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     pg = member_group(group, "monitored_barrier")
     if pg is None:
         return
-    timeout = timeout if timeout is not None else pg.timeout
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if timeout is None:
+        timeout = pg.timeout
+    elif not isinstance(timeout, timedelta):
+        warnings.warn(f"Please specify timeout arg as a timedelta. Converting current value of {timeout} assuming "
+                      "it represents seconds", stacklevel=2)
+        timeout = timedelta(seconds=timeout)
+    seconds = timeout.total_seconds()
     backend = pg.backend
     token = torch.zeros(1, dtype=torch.uint8)
     # A barrier that gives up breaks the group (as gloo's, which closes its connections):
