@@ -242,6 +242,51 @@ def test_a_dying_worker_fails_pending_futures_promptly():
     assert len(errors) == 4 and all("worker1" in e for e in errors), errors
 
 
+def _shutdown_after_a_worker_died(rank, world_size, timeout):
+    start(rank, world_size)
+    if rank == 1:
+        os._exit(3)  # dies before it reaches the shutdown barrier
+    time.sleep(1)
+    t0 = time.monotonic()
+    try:
+        rpc.shutdown(timeout=timeout)  # graceful
+    except RuntimeError as exc:
+        return time.monotonic() - t0, str(exc), rpc.is_initialized()
+    return time.monotonic() - t0, None, rpc.is_initialized()
+
+
+@pytest.mark.parametrize("timeout", [0, 5], ids=["no-limit", "limit"])
+def test_graceful_shutdown_raises_at_once_when_a_worker_died(timeout):
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_shutdown_after_a_worker_died, 2, args=(timeout,), timeout=30)
+    elapsed, error, still_initialized = info.value.outcomes[0].result
+    assert error is not None and "worker1 was lost before every worker reached the shutdown barrier" in error
+    assert elapsed < 3 and not still_initialized
+
+
+def _shutdown_while_a_worker_is_busy(rank, world_size):
+    start(rank, world_size)
+    if rank == 1:
+        time.sleep(6)  # reaches the barrier after worker0's limit
+        try:
+            rpc.shutdown()
+        except RuntimeError:
+            pass  # worker0 gave up and left: the barrier is gone
+        return None
+    t0 = time.monotonic()
+    try:
+        rpc.shutdown(timeout=2)
+    except RuntimeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return time.monotonic() - t0, None
+
+
+def test_graceful_shutdown_with_a_limit_gives_up_on_a_late_worker():
+    (elapsed, error), _ = run_ranks(_shutdown_while_a_worker_is_busy, 2, timeout=30)
+    assert error is not None and "not every worker reached the shutdown barrier within 2.00 seconds" in error
+    assert 1.5 < elapsed < 4
+
+
 def _uneven_work(rank, world_size):
     start(rank, world_size)
     # every worker leaves work in flight to every other one, of different lengths

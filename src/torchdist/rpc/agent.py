@@ -167,6 +167,8 @@ class TcpAgent:
         self._inline = 0  # requests being served on reader threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=f"rpc-{me.name}")
         self._conns = {peer: _Connection(workers[peer], sock) for peer, sock in sockets.items()}
+        #: Called as ``on_lost(peer, error)`` once a peer is lost (on its reader thread).
+        self.on_lost: Callable[[WorkerInfo, DistNetworkError], None] | None = None
         self._timer = threading.Thread(target=self._timeout_loop, daemon=True, name=f"rpc-timeouts-{me.name}")
 
     def start(self) -> None:
@@ -416,6 +418,8 @@ class TcpAgent:
         logger.warning("%s", conn.error)
         for request_id in lost:
             self._complete(request_id, error=conn.error)
+        if self.on_lost is not None:
+            self.on_lost(conn.peer, conn.error)
 
     # -- inline serving ----------------------------------------------------------------
     def _try_inline(self, conn: _Connection) -> bool:

@@ -194,6 +194,8 @@ def _start(runtime: _Runtime, workers: dict[int, WorkerInfo], sockets: dict, num
     rref_context.set_current(runtime.rrefs)
     autograd_contexts.set_worker_id(runtime.me.id)
     runtime.agent = TcpAgent(runtime.me, workers, sockets, num_threads, RpcCodec(), handle_request)
+    if runtime.barrier is not None:
+        runtime.agent.on_lost = runtime.barrier.lose
     _runtime = runtime
     runtime.agent.start()
 
@@ -340,11 +342,36 @@ class _Barrier:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
-        self.rounds: dict[int, list[torch.futures.Future]] = {}
+        self.rounds: dict[int, dict[int, torch.futures.Future]] = {}
+        self.lost: RuntimeError | None = None  # a worker died: no round can complete
+
+    def lose(self, peer: WorkerInfo, error: BaseException) -> None:
+        """A worker died: fail the rounds it has not arrived at, and every later arrival."""
+        self._fail(RuntimeError(f"rpc.shutdown: {peer.name} was lost before every worker reached the shutdown "
+                                f"barrier ({error})"), lambda waiting: peer.id not in waiting)
+
+    def close(self, me: WorkerInfo) -> None:
+        """Worker 0 leaves (its shutdown failed or gave up): nobody waits for its barrier any more."""
+        self._fail(RuntimeError(f"rpc.shutdown: {me.name}, which holds the shutdown barrier, left before every "
+                                "worker reached it"), lambda waiting: True)
+
+    def _fail(self, error: RuntimeError, stranded: Callable[[dict], bool]) -> None:
+        failed = []
+        with self.lock:
+            if self.lost is None:
+                self.lost = error
+            for round_no, waiting in list(self.rounds.items()):
+                if stranded(waiting):
+                    failed.extend(self.rounds.pop(round_no).values())
+        for future in failed:
+            future.set_exception(self.lost)
 
     def arrive(self, round_no: int, worker_id: int) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
         with self.lock:
+            if self.lost is not None:
+                future.set_exception(self.lost)
+                return future
             waiting = self.rounds.setdefault(round_no, {})
             waiting[worker_id] = future
             if len(waiting) < self.world_size:
@@ -364,6 +391,18 @@ def _barrier_arrive(round_no: int, worker_id: int) -> torch.futures.Future:
 _barrier_arrive._async_execution = True
 
 
+def _shutdown_barrier(runtime: _Runtime, round_no: int, limit: float | None) -> None:
+    """Arrive at worker 0's barrier; wait at most ``limit`` s (None: for ever, as PyTorch's
+    default), but never for a worker that died (``_Barrier.lose``)."""
+    try:
+        rpc_sync(0, _barrier_arrive, args=(round_no, runtime.me.id), timeout=limit or 0)
+    except RuntimeError as exc:
+        if limit is not None and str(exc).startswith("RPCErr:1:"):  # the call's own timeout
+            raise RuntimeError(f"rpc.shutdown on {runtime.me.name}: not every worker reached the shutdown barrier "
+                               f"within {limit:.2f} seconds") from exc
+        raise
+
+
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop RPC; graceful waits for every worker's outstanding work first (``timeout`` s, 0 = none)."""
     global _runtime
@@ -375,14 +414,16 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             runtime.agent.wait_idle(limit)
             runtime.rrefs.wait_children(limit or 60.0)
             if static:
-                rpc_sync(0, _barrier_arrive, args=(1, runtime.me.id), timeout=0)
+                _shutdown_barrier(runtime, 1, limit)
             runtime.rrefs.delete_all_users(limit or 60.0)
             runtime.agent.wait_idle(limit)
             if static:
-                rpc_sync(0, _barrier_arrive, args=(2, runtime.me.id), timeout=0)
+                _shutdown_barrier(runtime, 2, limit)
         if not static:
             _leave(runtime, notify=graceful)
     finally:
+        if static:
+            runtime.barrier.close(runtime.me)  # answer what still waits on it (after a failure)
         if runtime.listener is not None:
             runtime.listener.close()
         with _init_lock:
