@@ -277,6 +277,15 @@ class StoreConformance:
         store.add("b", 1)
         assert {"a", "b"} <= set(store.list_keys())
 
+    def test_a_store_cannot_be_pickled_or_copied(self, store: Store) -> None:
+        import copy
+        import pickle
+        for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot pickle"):  # as PyTorch's stores
+                duplicate(store)
+        store.set("still", "usable")  # a copy that shared its handle would have closed it
+        assert store.get("still") == b"usable"
+
     # -- extended API --------------------------------------------------------------
     def test_has_extended_api_is_a_bool(self, store: Store) -> None:
         assert isinstance(store.has_extended_api(), bool)

@@ -35,6 +35,13 @@ def path(tmp_path: Path) -> str:
 
 
 # -- one process ---------------------------------------------------------------------
+def test_a_path_that_cannot_hold_a_store_raises_dist_store_error() -> None:
+    if not os.path.exists("/proc/version"):
+        pytest.skip("needs /proc")
+    with pytest.raises(DistStoreError, match="FileStore: cannot use '/proc/version'"):
+        FileStore("/proc/version", 1)
+
+
 def test_path_attribute_and_extended_api(path: str) -> None:
     with FileStore(path) as store:
         assert store.path == path

@@ -237,3 +237,13 @@ def test_a_store_subclass_below_receives_bytes() -> None:
     store.append("k", "x")  # emulated through compare_set
     assert seen and all(isinstance(value, bytes) for value in seen), seen
     assert store.get("k") == b"wx"
+
+
+def test_optional_operations_of_a_core_only_store_raise_not_implemented_as_pytorch() -> None:
+    for store in (Store(), PrefixStore("pre", Store()), PrefixStore("pre", CoreOnlyStore())):
+        calls = [lambda: store.queue_push("q", "v"), lambda: store.queue_pop("q"), lambda: store.queue_len("q")]
+        if not isinstance(store, PrefixStore) or type(store.underlying_store) is Store:
+            calls.append(store.list_keys)  # (CoreOnlyStore has list_keys)
+        for call in calls:
+            with pytest.raises(NotImplementedError):
+                call()

@@ -9,10 +9,12 @@ in ``get``/``wait`` until a peer has published what they need. Vocabulary:
 - *timeout*: how long ``get``/``wait`` block for a missing key before raising
   :class:`~torchdist.errors.DistStoreError` naming the keys.
 
-Concrete stores implement the abstract methods; the optional ones
-(``append``, ``multi_get``, ``multi_set``, queues, ``list_keys``, ``clone``) raise
-``RuntimeError("Not implemented.")`` here, as in PyTorch, and
-``has_extended_api()`` says whether a store implements them natively.
+Concrete stores implement the abstract methods. As in PyTorch, the base builds
+``append``, ``multi_get`` and ``multi_set`` from them, ``list_keys`` and the queues
+raise ``NotImplementedError``, ``clone`` ``RuntimeError("Not implemented.")``, and
+``has_extended_api()`` says whether a store implements the first three natively.
+A store is a handle on sockets, files or shared state: like PyTorch's, it cannot
+be pickled or copied.
 """
 
 from __future__ import annotations
@@ -129,19 +131,24 @@ class Store:
             self.set(key, value)
 
     def list_keys(self) -> list[str]:
-        raise RuntimeError("Not implemented.")
+        raise NotImplementedError(f"{type(self).__name__} does not implement list_keys")
 
     def clone(self) -> "Store":
         raise RuntimeError("Not implemented.")
 
     def queue_push(self, key: str, value: str | bytes) -> None:
-        raise RuntimeError("Not implemented.")
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
-        raise RuntimeError("Not implemented.")
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
 
     def queue_len(self, key: str) -> int:
-        raise RuntimeError("Not implemented.")
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
+
+    def __reduce_ex__(self, protocol: int):
+        # pickle, copy.copy and copy.deepcopy all come here: a copy sharing this handle's
+        # socket or descriptor would close it under the original when collected.
+        raise TypeError(f"cannot pickle '{type(self).__name__}' object")
 
     def arrive_and_wait(self, key: str, rank: int, world_size: int, timeout: timedelta | None = None) -> None:
         """Block until ranks 0..world_size-1 have all called this with ``key``.

@@ -123,9 +123,11 @@ class FileStore(Store):
                 self._write(_HEADER)
             self._catch_up()
             self._write_record(_SET, _REFCOUNT, str(self._table.add(_REFCOUNT, 1)).encode())
-        except BaseException:
+        except BaseException as exc:
             os.close(self._fd)  # also releases the lock
             self._fd = None
+            if isinstance(exc, OSError):  # opened, but not a file a store can live in (/proc/..., a full disk)
+                raise DistStoreError(f"FileStore: cannot use {self.path!r}: {exc.strerror or exc}") from exc
             raise
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._counted = True
