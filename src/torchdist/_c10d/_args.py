@@ -118,17 +118,11 @@ def check_list(op: str, tensors: object, size: int, name: str) -> list[torch.Ten
     return list(tensors)
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` intersect (a conservative test)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        start = t.storage_offset() * t.element_size()
-        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return start, start + (extent + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t`` may touch: [first, last + 1)."""
+    start = t.storage_offset() * t.element_size()
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # strides are >= 0
+    return start, start + (extent + 1) * t.element_size()
 
 
 def read_apart(tensor: torch.Tensor, outputs: list[torch.Tensor], own: int | None = None) -> torch.Tensor:
@@ -138,9 +132,16 @@ def read_apart(tensor: torch.Tensor, outputs: list[torch.Tensor], own: int | Non
     output while an input over the same memory may still be waiting to be sent, so an
     input aliasing an output (``all_to_all(xs, xs)``) is read from a copy. ``own``: the
     output that may be the input itself because the op only copies one into the other.
+    On the path of every small op: one storage lookup per tensor unless storages match.
     """
-    if any(i != own and overlaps(tensor, out) for i, out in enumerate(outputs)):
-        return tensor.clone()
+    if not tensor.numel():
+        return tensor
+    storage = tensor.untyped_storage().data_ptr()
+    for i, out in enumerate(outputs):
+        if i != own and out.untyped_storage().data_ptr() == storage and out.numel():
+            (a0, a1), (b0, b1) = _byte_span(tensor), _byte_span(out)
+            if a0 < b1 and b0 < a1:
+                return tensor.clone()
     return tensor
 
 

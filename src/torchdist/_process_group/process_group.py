@@ -22,6 +22,18 @@ from .work import Work
 
 __all__ = ["ProcessGroup"]
 
+#: Bumped in every child right after fork(): a group made before it belongs to the parent.
+#: (A module global read per op: cheaper than asking the kernel for the pid.)
+_fork_generation = 0
+
+
+def _forked() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class ProcessGroup:
     """One group of ranks on this process; non-members never hold one."""
@@ -46,6 +58,7 @@ class ProcessGroup:
         self._timeout = timeout
         self._shut_down = False
         self._pid = os.getpid()  # the process whose sockets, shared memory and threads these are
+        self._generation = _fork_generation
         self.bound_device_id = None
 
     # -- identity --------------------------------------------------------------------
@@ -92,7 +105,7 @@ class ProcessGroup:
             raise DistBackendError(
                 f"process group {self._group_name!r} was destroyed; create a new group to communicate"
             )
-        if os.getpid() != self._pid:
+        if self._generation != _fork_generation:
             raise DistBackendError(
                 f"process group {self._group_name!r} (rank {self.rank()}) belongs to process {self._pid}; this "
                 f"process ({os.getpid()}) is a fork of it and cannot communicate through it. Start workers with "
