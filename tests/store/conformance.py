@@ -277,6 +277,14 @@ class StoreConformance:
         store.add("b", 1)
         assert {"a", "b"} <= set(store.list_keys())
 
+    def test_a_single_key_where_a_list_is_due_raises_type_error(self, store: Store) -> None:
+        store.set("ab", "v")
+        for call in (lambda: store.check("ab"), lambda: store.wait("a"), lambda: store.multi_get("ab"),
+                     lambda: store.multi_set("ab", ["x", "y"])):
+            with pytest.raises(TypeError, match="expected a list of keys"):  # as PyTorch's binding
+                call()
+        assert not store.check(["a"]) and not store.check(["b"])  # nothing was written key by key
+
     def test_a_store_cannot_be_pickled_or_copied(self, store: Store) -> None:
         import copy
         import pickle

@@ -41,6 +41,14 @@ def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
     raise TypeError(f"store values must be str or bytes, got {type(value).__name__}")
 
 
+def key_list(keys: list[str]) -> list[str]:
+    """The keys of a many-key operation. A lone ``str`` is refused, as PyTorch's binding
+    does: iterated, ``wait("ab")`` would wait for the keys "a" and "b"."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"expected a list of keys, got the single key {keys!r}; pass [{keys!r}]")
+    return keys
+
+
 def as_timedelta(timeout: timedelta | float | int) -> timedelta:
     """Accept a ``timedelta`` or a number of seconds."""
     if isinstance(timeout, timedelta):
@@ -124,9 +132,11 @@ class Store:
             current = b"" if result == current else result
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        keys = key_list(keys)
         return [self.get(key) for key in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        keys = key_list(keys)
         for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 

@@ -66,7 +66,7 @@ from datetime import timedelta
 from typing import Callable, Iterator, TypeVar
 
 from ..errors import DistStoreError, QueueEmptyError
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, to_bytes, wait_timeout_error
+from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, to_bytes, wait_timeout_error
 from .table import KeyValueTable
 
 __all__ = ["FileStore"]
@@ -318,12 +318,14 @@ class FileStore(Store):
         return result
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        keys = key_list(keys)
         timeout = self.timeout if timeout is None else as_timedelta(timeout)
         keys = list(keys)
         users = [_user(k) for k in keys]
         self._poll(lambda t: t.check(users) or None, keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
+        keys = key_list(keys)
         users = [_user(k) for k in keys]
         return self._query(lambda t: t.check(users))
 
@@ -364,7 +366,7 @@ class FileStore(Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Every value, in order; blocks (up to the timeout) until all keys exist."""
-        keys = list(keys)
+        keys = list(key_list(keys))
         users = [_user(k) for k in keys]
 
         def probe(table: KeyValueTable) -> list[bytes] | None:
@@ -375,6 +377,7 @@ class FileStore(Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set every key in one write: a reader sees all of them or none."""
+        keys = key_list(keys)
         users, values = [_user(k) for k in keys], [to_bytes(v) for v in values]
         if len(users) != len(values):
             raise ValueError(f"multi_set: got {len(users)} keys but {len(values)} values")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .base import Store, to_bytes
+from .base import Store, key_list, to_bytes
 
 __all__ = ["PrefixStore"]
 
@@ -77,6 +77,7 @@ class PrefixStore(Store):
         return self._store.compare_set(self._key(key), to_bytes(expected), to_bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        keys = key_list(keys)
         keys = [self._key(k) for k in keys]
         if timeout is None:
             self._store.wait(keys)
@@ -84,6 +85,7 @@ class PrefixStore(Store):
             self._store.wait(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
+        keys = key_list(keys)
         return self._store.check([self._key(k) for k in keys])
 
     def delete_key(self, key: str) -> bool:
@@ -109,9 +111,11 @@ class PrefixStore(Store):
         self._store.append(self._key(key), to_bytes(value))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        keys = key_list(keys)
         return self._store.multi_get([self._key(k) for k in keys])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        keys = key_list(keys)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
         self._store.multi_set([self._key(k) for k in keys], [to_bytes(v) for v in values])

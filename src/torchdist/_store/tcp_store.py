@@ -45,7 +45,7 @@ from typing import Sequence
 from .._auth import AuthenticationError, ClientHandshake, resolve_secret
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
 from . import wire
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, to_bytes, wait_timeout_error
+from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, to_bytes, wait_timeout_error
 from .table import int64_amount
 from .tcp_server import TCPServer, acquire_server, release_server, retain_server
 from .wire import HEADER, HEADER_I64, HEADER_U8, I64, U32, Op, Status
@@ -505,11 +505,13 @@ class TCPStore(Store):
         return self._conn.call(wire.frame(Op.COMPARE_SET, body))[1]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        keys = key_list(keys)
         timeout = self._timeout if timeout is None else as_timedelta(timeout)
         frame = wire.frame(Op.WAIT, wire.pack_strings([_key(k) for k in keys]))
         self._conn.wait_call(frame, timeout, keys)
 
     def check(self, keys: list[str]) -> bool:
+        keys = key_list(keys)
         frame = wire.frame(Op.CHECK, wire.pack_strings([_key(k) for k in keys]))
         return self._conn.call(frame)[1] == b"\x01"
 
@@ -528,11 +530,13 @@ class TCPStore(Store):
         self._conn.send(wire.key_value(Op.APPEND, _key(key), to_bytes(value)))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        keys = key_list(keys)
         frame = wire.frame(Op.MULTI_GET, wire.pack_strings([_key(k) for k in keys]))
         body = self._conn.wait_call(frame, self._timeout, keys)[1]
         return wire.unpack_strings(body, 0, len(body))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        keys = key_list(keys)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         flat = [item for k, v in zip(keys, values) for item in (_key(k), to_bytes(v))]
