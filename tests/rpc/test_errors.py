@@ -123,6 +123,12 @@ def _timeouts(rank, world_size):
             result["default"] = (rpc.get_rpc_timeout(), str(exc))
         result["infinite"] = rpc.rpc_sync("worker1", sleep_then, args=(0.4, 7), timeout=0)
         rpc._set_rpc_timeout(5.0)
+        result["unset"] = rpc.rpc_sync("worker1", sleep_then, args=(0.1, 8), timeout=-1)  # UNSET: the default
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("worker1", sleep_then, args=(1.0,), timeout=-5)  # already past, as in PyTorch
+        except RuntimeError as exc:
+            result["negative"] = (str(exc), time.monotonic() - t0)
     rpc.shutdown()
     return result
 
@@ -138,6 +144,9 @@ def test_timeouts_raise_runtime_error_like_pytorch():
                              "node does not exist.")
     assert res["late value"] == 6
     assert res["default"] == (0.2, message)
+    assert res["unset"] == 8
+    negative, elapsed = res["negative"]
+    assert negative == message.replace("200 ms", "-5000 ms") and elapsed < 0.5
     assert res["infinite"] == 7
 
 

@@ -241,7 +241,7 @@ class TcpAgent:
         request_id = next(self._ids)
         with self._lock:
             self._pending[request_id] = _Pending(future, dst, timeout)
-            if timeout > 0:
+            if timeout != 0:  # 0: none; a negative one is already past
                 deadline = time.monotonic() + timeout
                 first = not self._deadlines or deadline < self._deadlines[0][0]
                 heapq.heappush(self._deadlines, (deadline, request_id))

@@ -82,8 +82,9 @@ class _Runtime:
                          f"or rank, got {type(to).__name__})")
 
     def call_timeout(self, timeout: float | None) -> float:
-        """<0 (unset): the default; 0: no timeout; >0: seconds."""
-        if timeout is None or timeout < 0:
+        """UNSET_RPC_TIMEOUT (-1) or None: the default; 0: no timeout; otherwise seconds
+        (another negative one has passed already: the call times out at once, as in PyTorch)."""
+        if timeout is None or timeout == UNSET_RPC_TIMEOUT:
             return self.timeout
         return float(timeout)
 
