@@ -277,6 +277,14 @@ class StoreConformance:
         store.add("b", 1)
         assert {"a", "b"} <= set(store.list_keys())
 
+    def test_bytes_keys_are_the_same_keys_as_str_ones(self, store: Store) -> None:
+        store.set(b"k", "v")  # PyTorch takes both: each becomes the same std::string
+        assert store.get("k") == b"v" and store.check([b"k", "k"]) and store.add(b"n", 2) == 2
+        assert store.get(b"n") == b"2" and store.compare_set(b"k", "v", "w") == b"w"
+        store.wait([b"k"], SHORT)
+        with pytest.raises(TypeError):
+            store.set(None, "v")
+
     def test_a_single_key_where_a_list_is_due_raises_type_error(self, store: Store) -> None:
         store.set("ab", "v")
         for call in (lambda: store.check("ab"), lambda: store.wait("a"), lambda: store.multi_get("ab"),

@@ -41,12 +41,22 @@ def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
     raise TypeError(f"store values must be str or bytes, got {type(value).__name__}")
 
 
-def key_list(keys: list[str]) -> list[str]:
-    """The keys of a many-key operation. A lone ``str`` is refused, as PyTorch's binding
-    does: iterated, ``wait("ab")`` would wait for the keys "a" and "b"."""
+def key_str(key: str | bytes) -> str:
+    """A key as the stores keep it. PyTorch takes ``str`` and ``bytes`` alike (both
+    become a ``std::string``), so ``b"k"`` is the key ``"k"``."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key).decode("utf-8")
+    raise TypeError(f"store keys must be str or bytes, got {type(key).__name__}")
+
+
+def key_list(keys: list[str | bytes]) -> list[str]:
+    """The keys of a many-key operation, as ``key_str``. A lone key is refused, as by
+    PyTorch's binding: iterated, ``wait("ab")`` would wait for the keys "a" and "b"."""
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"expected a list of keys, got the single key {keys!r}; pass [{keys!r}]")
-    return keys
+    return [key_str(key) for key in keys]
 
 
 def as_timedelta(timeout: timedelta | float | int) -> timedelta:

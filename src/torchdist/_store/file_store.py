@@ -66,7 +66,7 @@ from datetime import timedelta
 from typing import Callable, Iterator, TypeVar
 
 from ..errors import DistStoreError, QueueEmptyError
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, to_bytes, wait_timeout_error
+from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
 from .table import KeyValueTable
 
 __all__ = ["FileStore"]
@@ -86,11 +86,9 @@ _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
 
 
-def _user(key: str) -> str:
+def _user(key: str | bytes) -> str:
     """The table key of a user key; internal keys never start with "/"."""
-    if not isinstance(key, str):
-        raise TypeError(f"FileStore: keys must be str, got {type(key).__name__}")
-    return "/" + key
+    return "/" + key_str(key)
 
 
 def _deadline(timeout: timedelta) -> float | None:

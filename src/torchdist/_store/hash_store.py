@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Callable
 
 from ..errors import QueueEmptyError
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, to_bytes, wait_timeout_error
+from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
 from .table import KeyValueTable
 
 __all__ = ["HashStore"]
@@ -70,19 +70,23 @@ class HashStore(Store):
 
     # -- core operations -----------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
+        key = key_str(key)
         with self._shared.cond:
             self._shared.table.set(key, to_bytes(value))
 
     def get(self, key: str) -> bytes:
+        key = key_str(key)
         with self._shared.cond:
             self._wait_until(lambda t: t.get(key) is not None, [key], self.timeout)
             return self._shared.table.get(key)
 
     def add(self, key: str, amount: int) -> int:
+        key = key_str(key)
         with self._shared.cond:
             return self._shared.table.add(key, amount)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        key = key_str(key)
         with self._shared.cond:
             return self._shared.table.compare_set(key, to_bytes(expected), to_bytes(desired))
 
@@ -99,6 +103,7 @@ class HashStore(Store):
             return self._shared.table.check(keys)
 
     def delete_key(self, key: str) -> bool:
+        key = key_str(key)
         with self._shared.cond:
             return self._shared.table.delete(key)
 
@@ -119,6 +124,7 @@ class HashStore(Store):
         return True
 
     def append(self, key: str, value: str | bytes) -> None:
+        key = key_str(key)
         with self._shared.cond:
             self._shared.table.append(key, to_bytes(value))
 
@@ -140,11 +146,13 @@ class HashStore(Store):
 
     # -- queues --------------------------------------------------------------------
     def queue_push(self, key: str, value: str | bytes) -> None:
+        key = key_str(key)
         with self._shared.cond:
             self._shared.table.queue_push(key, to_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest value of the queue; blocks up to the timeout unless ``block=False``."""
+        key = key_str(key)
         with self._shared.cond:
             if not block and self._shared.table.queue_len(key) == 0:
                 raise QueueEmptyError(f"HashStore: queue_pop(block=False): queue {key!r} is empty")
@@ -152,5 +160,6 @@ class HashStore(Store):
             return self._shared.table.queue_pop(key)
 
     def queue_len(self, key: str) -> int:
+        key = key_str(key)
         with self._shared.cond:
             return self._shared.table.queue_len(key)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .base import Store, key_list, to_bytes
+from .base import Store, key_list, key_str, to_bytes
 
 __all__ = ["PrefixStore"]
 
@@ -33,13 +33,11 @@ class PrefixStore(Store):
         # No Store.__init__: the timeout lives in the underlying store.
         if store is None:
             raise ValueError("PrefixStore: store argument cannot be None")
-        if not isinstance(prefix, str):
-            raise TypeError(f"PrefixStore: prefix must be str, got {type(prefix).__name__}")
-        self._prefix = prefix
+        self._prefix = key_str(prefix)
         self._store = store
 
-    def _key(self, key: str) -> str:
-        return f"{self._prefix}/{key}"
+    def _key(self, key: str | bytes) -> str:
+        return f"{self._prefix}/{key_str(key)}"
 
     # -- what it wraps -------------------------------------------------------------
     @property

@@ -45,7 +45,7 @@ from typing import Sequence
 from .._auth import AuthenticationError, ClientHandshake, resolve_secret
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
 from . import wire
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, to_bytes, wait_timeout_error
+from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
 from .table import int64_amount
 from .tcp_server import TCPServer, acquire_server, release_server, retain_server
 from .wire import HEADER, HEADER_I64, HEADER_U8, I64, U32, Op, Status
@@ -62,8 +62,8 @@ _NUM_KEYS = wire.frame(Op.NUM_KEYS)
 _LIST_KEYS = wire.frame(Op.LIST_KEYS)
 
 
-def _key(key: str) -> bytes:
-    return ("/" + key).encode()
+def _key(key: str | bytes) -> bytes:
+    return ("/" + key_str(key)).encode()
 
 
 def _timeval(seconds: float) -> bytes:
