@@ -318,7 +318,6 @@ class FileStore(Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = key_list(keys)
         timeout = self.timeout if timeout is None else as_timedelta(timeout)
-        keys = list(keys)
         users = [_user(k) for k in keys]
         self._poll(lambda t: t.check(users) or None, keys, timeout)
 
@@ -364,7 +363,7 @@ class FileStore(Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Every value, in order; blocks (up to the timeout) until all keys exist."""
-        keys = list(key_list(keys))
+        keys = key_list(keys)
         users = [_user(k) for k in keys]
 
         def probe(table: KeyValueTable) -> list[bytes] | None:

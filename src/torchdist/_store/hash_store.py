@@ -93,7 +93,6 @@ class HashStore(Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = key_list(keys)
         timeout = self.timeout if timeout is None else as_timedelta(timeout)
-        keys = list(keys)
         with self._shared.cond:
             self._wait_until(lambda t: t.check(keys), keys, timeout)
 
@@ -130,14 +129,14 @@ class HashStore(Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Every value, in order; blocks (up to the timeout) until all keys exist."""
-        keys = list(key_list(keys))
+        keys = key_list(keys)
         with self._shared.cond:
             self._wait_until(lambda t: all(t.get(k) is not None for k in keys), keys, self.timeout)
             return [self._shared.table.get(k) for k in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set every key at once: a waiter never sees some of them without the others."""
-        keys, values = list(key_list(keys)), [to_bytes(v) for v in values]
+        keys, values = key_list(keys), [to_bytes(v) for v in values]
         if len(keys) != len(values):
             raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
         with self._shared.cond:
