@@ -164,11 +164,11 @@ def test_work_wait_timeout_names_the_op():
 
 def test_init_process_group_argument_errors():
     store = dist.HashStore()
-    with pytest.raises(ValueError, match="both init_method and store"):
+    with pytest.raises(AssertionError, match="both init_method and store"):  # PyTorch raises AssertionError
         dist.init_process_group(store=store, init_method="env://", rank=0, world_size=1)
-    with pytest.raises(ValueError, match="world_size must be positive"):
+    with pytest.raises(AssertionError, match="world_size must be positive"):
         dist.init_process_group(store=store, rank=0)
-    with pytest.raises(ValueError, match="rank must be non-negative"):
+    with pytest.raises(AssertionError, match="rank must be non-negative"):
         dist.init_process_group(store=store, world_size=1)
     with pytest.raises(ValueError, match="out of range"):
         dist.init_process_group(store=store, rank=2, world_size=2)

@@ -81,11 +81,11 @@ def init_process_group(
 
     if store is not None:
         if init_method is not None:
-            raise ValueError("Cannot specify both init_method and store.")
+            raise AssertionError("Cannot specify both init_method and store.")  # PyTorch's types, here and below
         if world_size <= 0:
-            raise ValueError(f"world_size must be positive if using store, got {world_size}")
+            raise AssertionError(f"world_size must be positive if using store, got {world_size}")
         if rank < 0:
-            raise ValueError(f"rank must be non-negative if using store, got {rank}")
+            raise AssertionError(f"rank must be non-negative if using store, got {rank}")
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0..{world_size - 1})")
         owns_store = False
