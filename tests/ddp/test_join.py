@@ -152,3 +152,23 @@ def test_a_joinable_whose_constructor_skips_joinables_raises_assertion_error_as_
 
     with pytest.raises(AssertionError, match="constructor calls the ``Joinable`` constructor"):
         Join.notify_join_context(Forgetful())
+
+
+def _sparse_under_join(rank, world_size):
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(8, 2, sparse=True, mode="sum")
+    ddp = DDP(torch.nn.Sequential(bag))
+    grads = []
+    with ddp.join():
+        for _ in range(2 + rank):  # rank 1 runs one iteration more: rank 0 shadows its sparse bucket
+            bag.weight.grad = None
+            ddp(torch.tensor([[rank, 5]])).sum().backward()
+            assert bag.weight.grad.is_sparse
+            grads.append(bag.weight.grad.to_dense()[:, 0].tolist())
+    return grads
+
+
+def test_a_joined_rank_shadows_a_sparse_bucket():
+    both = [0.5, 0.5, 0, 0, 0, 1.0, 0, 0]  # rows 0 and 1 from one rank each, row 5 from both; / 2
+    alone = [0, 0.5, 0, 0, 0, 0.5, 0, 0]  # rank 1 alone, still divided by the initial world size
+    assert run_ranks(_sparse_under_join, 2, backend="gloo", timeout=60) == [[both] * 2, [both, both, alone]]

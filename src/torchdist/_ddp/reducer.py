@@ -290,7 +290,7 @@ class Reducer:
                 restore.append((zeros, zeros.clone()))
                 zeros.zero_()
             if self._comm_hook is None:
-                pending.append(self._issue_all_reduce(zeros, ReduceOp.SUM if bucket.sparse else self._bucket_op()))
+                pending.append(self._issue_all_reduce(zeros, self._bucket_op()))
             else:
                 pending.append(self._run_hook(GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                                          bucket.index == len(self._buckets) - 1)))
@@ -458,7 +458,7 @@ class Reducer:
         p = bucket.params[slot]
         grad = p.grad
         if bucket.sparse:
-            self._take_sparse(bucket, p, name=self._names[bucket.param_indices[0]])
+            self._take_sparse(bucket)
             return
         if bucket.solo:
             if (used and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
@@ -489,9 +489,10 @@ class Reducer:
             else:
                 view.copy_(grad)
 
-    def _take_sparse(self, bucket: Bucket, p: torch.Tensor, name: str) -> None:
+    def _take_sparse(self, bucket: Bucket) -> None:
         """A sparse bucket's buffer: the parameter's sparse gradient divided as a dense one
         would be (SUM is the only reduction of sparse tensors), or no entries if none."""
+        p, name = bucket.params[0], self._names[bucket.param_indices[0]]
         grad = p.grad
         if grad is None:
             bucket.buffer = _no_entries(p)
@@ -508,8 +509,7 @@ class Reducer:
             bucket = self._buckets[self._next_bucket]
             self._next_bucket += 1
             if self._comm_hook is None:
-                bucket.work = self._issue_all_reduce(bucket.buffer,
-                                                     ReduceOp.SUM if bucket.sparse else self._bucket_op())
+                bucket.work = self._issue_all_reduce(bucket.buffer, self._bucket_op())
             else:
                 bucket.future = self._run_hook(GradBucket(bucket.index, bucket.buffer, bucket.params,
                                                           bucket.offsets, bucket.index == len(self._buckets) - 1))
@@ -527,8 +527,9 @@ class Reducer:
         """All-reduce ``tensor`` (a contiguous flat bucket), to be waited on at the end of
         backward; ``async_op=True`` only where the backend runs it beside backward (see
         the module docstring)."""
-        if tensor.is_sparse:  # gathered and summed now, outside the backend's queue
-            return sparse_all_reduce(self._group, tensor, op, async_op=True)
+        if tensor.is_sparse:  # gathered and summed now, outside the backend's queue; SUM, the only
+            # reduction of sparse tensors: _take_sparse divided the gradient first
+            return sparse_all_reduce(self._group, tensor, ReduceOp.SUM, async_op=True)
         backend = self._group.backend
         return backend.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], op,
                                  async_op=getattr(backend, "async_overlaps_compute", False))
