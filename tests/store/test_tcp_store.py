@@ -501,12 +501,19 @@ def test_incomplete_requests_of_all_clients_are_held_within_a_budget(master: TCP
                                                                      monkeypatch) -> None:
     monkeypatch.setattr(tcp_server, "_PARTIAL_BUDGET", 1 << 20)
     frames = {name: wire.key_value(Op.SET, f"/{name}".encode(), name.encode() * (600 << 10)) for name in "abc"}
-    socks = {}
-    for name, part in (("a", 500 << 10), ("b", 500 << 10), ("c", 100 << 10)):  # c passes 1 MiB in all
+    socks, held = {}, 0
+    for name, part in (("a", 500 << 10), ("b", 500 << 10)):
         socks[name] = _raw(master.port)
         _hello(socks[name])
         socks[name].sendall(frames[name][:part])
-        time.sleep(0.3)  # read by the server before the next client's bytes
+        held += part
+        deadline = time.monotonic() + 10
+        while master._server._partial_bytes < held and time.monotonic() < deadline:
+            time.sleep(0.01)  # read by the server before the next client's bytes
+        assert master._server._partial_bytes == held
+    socks["c"] = _raw(master.port)
+    _hello(socks["c"])
+    socks["c"].sendall(frames["c"][:100 << 10])  # passes 1 MiB in all
     assert _dropped(socks.pop("c"))
     for name, sock in socks.items():  # the clients within the budget finish their requests
         sock.sendall(frames[name][500 << 10:])
