@@ -185,7 +185,34 @@ def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed(
     segment.drop_lock()
     thread.join(30)
     assert isinstance(outcome.get("error"), DistNetworkError), outcome
-    assert "ranks [1] exited while the group's shared memory was being set up" in str(outcome["error"])
+    assert "ranks [1] exited while shared memory was being set up" in str(outcome["error"])
     assert time.monotonic() - start < 5
     assert not os.path.exists(segment.path)
+    segment.buf.close()
+
+
+def test_a_rank_that_dies_during_a_symmetric_allocation_is_named_at_once(world):
+    from torchdist._transport.shm_segment import Segment
+    from torchdist.errors import DistNetworkError
+
+    transports = world(2)
+    heap = transports[0].heap
+    outcome: dict = {}
+
+    def rank0() -> None:
+        try:
+            outcome["tensor"] = heap.allocate(4096)
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+    thread = threading.Thread(target=rank0, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    # Rank 1 creates and publishes its part of allocation #0, then dies before it arrives.
+    segment = Segment.create(4096, 1, "symm")
+    heap.store.set("symm/0/1", f"4096 {segment.path}")
+    segment.drop_lock()
+    thread.join(30)
+    assert isinstance(outcome.get("error"), DistNetworkError), outcome
+    assert "ranks [1] exited while shared memory was being set up" in str(outcome["error"])
+    assert time.monotonic() - start < 5 and not os.path.exists(segment.path)
     segment.buf.close()

@@ -41,12 +41,11 @@ import logging
 import os
 import struct
 import time
-from datetime import timedelta
 from typing import Callable
 
-from ..errors import DistBackendError, DistNetworkError, DistStoreError
+from ..errors import DistBackendError, DistNetworkError
 from .base import PeerTimeout
-from .shm_segment import Doorbell, Segment, clean_stale_segments, fence
+from .shm_segment import Doorbell, Segment, clean_stale_segments, fence, wait_until_all_mapped
 
 __all__ = ["Board", "Layout", "BLOCK_S", "STEP", "DIGEST", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
 
@@ -70,8 +69,6 @@ POLL_S = float(os.environ.get("TORCHDIST_SHM_POLL_US", "50")) * 1e-6
 BLOCK_S = 0.05
 #: How often a blocked waiter checks that the peers it waits for are alive (s).
 LIVENESS_S = 0.1
-#: During setup, how often a rank waiting for the others to map checks that they live (s).
-SETUP_CHECK_S = 0.5
 
 
 def _round_up(n: int, to: int) -> int:
@@ -151,7 +148,7 @@ class Board:
             self.segments = segments
             # Everyone has mapped everything: the names can go. From here on, the kernel
             # frees the memory when the last process that maps it exits, however it exits.
-            self._wait_until_all_mapped(store, timeout)
+            wait_until_all_mapped(store, "shm/mapped", self.rank, segments, timeout, self.names, self.label)
         except BaseException:
             for segment in self.segments or [own]:
                 segment.close()
@@ -159,29 +156,6 @@ class Board:
         own.unlink()
         logger.debug("%s: rank %d mapped %d segments of %d bytes", self.label, self.names[rank],
                      self.size, layout.total)
-
-    def _wait_until_all_mapped(self, store, timeout: float) -> None:
-        """The barrier after mapping, in slices of :data:`SETUP_CHECK_S`: between them, a
-        peer whose segment lock is free died (or gave up) during setup. Its segment's
-        name, which it can no longer unlink, is removed, and the error names it at once
-        instead of at the timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            wait = min(SETUP_CHECK_S, max(deadline - time.monotonic(), 0.001))
-            try:
-                store.arrive_and_wait("shm/mapped", self.rank, self.size, timedelta(seconds=wait))
-                return
-            except DistStoreError:
-                gone = [p for p in range(self.size) if p != self.rank and not self.segments[p].owner_alive()]
-                if gone:
-                    for p in gone:
-                        self.segments[p].remove_name()
-                    raise DistNetworkError(
-                        f"{self.label}: ranks {[self.names[p] for p in gone]} exited while the group's shared "
-                        f"memory was being set up (rank {self.names[self.rank]} waited for them); see their "
-                        "logs for why.") from None
-                if time.monotonic() >= deadline:
-                    raise
 
     # -- waking ------------------------------------------------------------------------
     def wake(self, peers) -> None:

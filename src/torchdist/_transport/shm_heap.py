@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import mmap
 import weakref
-from datetime import timedelta
 
 import torch
 
 from ..errors import DistBackendError
-from .shm_segment import Segment
+from .shm_segment import Segment, wait_until_all_mapped
 
 __all__ = ["SymmetricHeap", "Allocation"]
 
@@ -112,7 +111,8 @@ class SymmetricHeap:
                         f"{nbytes} bytes but rank {self.names[peer]} for {theirs}. Every rank must allocate "
                         "the same sizes in the same order.")
                 segments.append(Segment.attach(path, size, self.label, self.names[peer]))
-            self.store.arrive_and_wait(f"symm/{index}/mapped", self.rank, self.size, timedelta(seconds=self.timeout))
+            wait_until_all_mapped(self.store, f"symm/{index}/mapped", self.rank, segments, self.timeout, self.names,
+                                  self.label)
         except BaseException:
             for segment in segments or [own]:
                 segment.close()

@@ -42,11 +42,12 @@ import socket
 import threading
 import time
 import weakref
+from datetime import timedelta
 
-from ..errors import DistNetworkError
+from ..errors import DistNetworkError, DistStoreError
 
 __all__ = ["Segment", "Doorbell", "fence", "host_identity", "shm_dir", "clean_stale_segments",
-           "supported", "PREFIX"]
+           "wait_until_all_mapped", "supported", "PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +280,36 @@ class Segment:
             except OSError:
                 pass
             self._lock_fd = -1
+
+
+#: While ranks wait for each other to map their segments, how often they check that
+#: the ranks they wait for still live (s).
+SETUP_CHECK_S = 0.5
+
+
+def wait_until_all_mapped(store, key: str, rank: int, segments: list[Segment], timeout: float, names: list[int],
+                          label: str) -> None:
+    """The barrier after every rank mapped everyone's ``segments`` (``segments[rank]`` is
+    this rank's own), in slices of :data:`SETUP_CHECK_S`. Between slices, a peer whose
+    segment lock is free died (or gave up) before arriving: its segment's name, which it
+    can no longer unlink, is removed, and the error names it at once instead of at the
+    timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait = min(SETUP_CHECK_S, max(deadline - time.monotonic(), 0.001))
+        try:
+            store.arrive_and_wait(key, rank, len(segments), timedelta(seconds=wait))
+            return
+        except DistStoreError:
+            gone = [p for p, segment in enumerate(segments) if p != rank and not segment.owner_alive()]
+            if gone:
+                for p in gone:
+                    segments[p].remove_name()
+                raise DistNetworkError(
+                    f"{label}: ranks {[names[p] for p in gone]} exited while shared memory was being set up "
+                    f"(rank {names[rank]} waited for them to map it); see their logs for why.") from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _map(path: str, size: int) -> mmap.mmap:
