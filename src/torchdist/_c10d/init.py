@@ -183,9 +183,9 @@ def _store_based_barrier(store: Store, rank: int, world_size: int, timeout: time
             f"(world_size={world_size}, timeout={timeout}): {exc} Check that every rank was started with the "
             "same world size and rendezvous address."
         ) from exc
-    if rank == 0:
-        for peer in range(1, world_size):
-            theirs = int(store.get(f"world_size/{peer}"))
+    if rank == 0:  # one round trip for all ranks (a store without multi_get gets them one by one)
+        sizes = store.multi_get([f"world_size/{peer}" for peer in range(1, world_size)])
+        for peer, theirs in enumerate((int(size) for size in sizes), start=1):
             if theirs != world_size:
                 raise ValueError(_size_mismatch(rank, world_size, peer, theirs))
 
