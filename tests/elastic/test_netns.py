@@ -14,6 +14,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from .launch_helpers import WORKER, Launcher, assert_no_orphans, clean_env, records, wait_for
 
@@ -97,3 +98,31 @@ def test_node_killed_under_elastic_nnodes_job_continues(tmp_path, two_namespaces
     assert finished and {f["world"] for f in finished} == {1}, "the survivor went on alone"
     assert time.monotonic() - killed_at < 45
     assert_no_orphans(b_workers + [r["pid"] for r in records(tmp_path)])
+
+
+def test_default_backend_spans_two_namespaces(tmp_path, two_namespaces):
+    """Two "hosts" (namespaces, each with its own mount namespace too) of two ranks each:
+    the default backend is the hierarchical one, its TCP mesh reaches across the veth
+    pair, and every collective's values are right on every rank."""
+    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"{addr_a}:29400", "--rdzv-id", "netns-hosts"]
+    node_a = Launcher(*common, "--local-addr", addr_a, WORKER, "hosts", str(tmp_path), env=env, netns=ns_a)
+    node_b = Launcher(*common, "--local-addr", addr_b, WORKER, "hosts", str(tmp_path), env=env, netns=ns_b)
+    try:
+        done_a, done_b = node_a.finish(60), node_b.finish(60)
+    finally:
+        node_a.kill(), node_b.kill()
+    assert done_a.returncode == 0, done_a.stderr
+    assert done_b.returncode == 0, done_b.stderr
+    results = records(tmp_path, "hosts*.json")
+    assert len(results) == 4
+    world, big = 4, (1 << 18) + 5
+    for result in results:
+        assert result["backend"] == "HierarchicalBackend"
+        assert result["sums"] == [float(world * 1 + 6), float(world * (big - 1) + 6)]
+        assert result["gathered"] == [[r * 10] * 3 for r in range(world)]
+        assert result["broadcast"] == 100 + world - 1
+    full = sum(torch.arange(2 * world, dtype=torch.float32) * (r + 1) for r in range(world))
+    assert [r["scattered"] for r in results] == [full[2 * r:2 * r + 2].tolist() for r in range(world)]

@@ -11,6 +11,9 @@ for orphans. Then:
 ``sleep``        sleep ARG seconds (a worker to kill or signal)
 ``barrier``      meet every rank in the launcher's store (authenticated) and exit 0
 ``pg``           init_process_group() with no arguments, all_reduce, barrier
+``hosts``        init_process_group() with no arguments, then collectives whose results depend on every
+                 rank (small and large all-reduce, all-gather, broadcast, reduce-scatter); record them and
+                 the backend the default picked
 ``no-secret``    try the launcher's store without the secret; record what happened
 ``print``        print a line on stdout and one on stderr
 ``elastic``      barrier in the store, write ``joined<RANK>.world<N>``; in a world of 1 after the test
@@ -100,6 +103,29 @@ elif MODE == "pg":
     torchdist.all_reduce(t)
     torchdist.barrier()
     write(f"pg{RANK}.json", {"sum": t.item(), "world": torchdist.get_world_size(), "rank": torchdist.get_rank()})
+    store_barrier()  # nobody tears the group down while a peer may still be finishing its last collective
+    torchdist.destroy_process_group()
+elif MODE == "hosts":
+    import torch
+
+    import torchdist
+
+    torchdist.init_process_group()
+    world, rank = torchdist.get_world_size(), torchdist.get_rank()
+    sums = []
+    for numel in (2, (1 << 18) + 5):  # 8 B (one step) and 1 MiB (chunked) all-reduces
+        t = torch.arange(numel, dtype=torch.float32) + rank
+        torchdist.all_reduce(t)
+        sums.append(t[-1].item())
+    gathered = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+    torchdist.all_gather(gathered, torch.full((3,), rank * 10))
+    root_value = torch.tensor([rank + 100])
+    torchdist.broadcast(root_value, src=world - 1)
+    scattered = torch.zeros(2)
+    torchdist.reduce_scatter_tensor(scattered, torch.arange(2 * world, dtype=torch.float32) * (rank + 1))
+    write(f"hosts{RANK}.json", {"sums": sums, "gathered": [g.tolist() for g in gathered],
+                                "broadcast": root_value.item(), "scattered": scattered.tolist(),
+                                "backend": type(torchdist.group.WORLD.backend).__name__})
     store_barrier()  # nobody tears the group down while a peer may still be finishing its last collective
     torchdist.destroy_process_group()
 elif MODE == "no-secret":
