@@ -126,3 +126,30 @@ def test_default_backend_spans_two_namespaces(tmp_path, two_namespaces):
         assert result["broadcast"] == 100 + world - 1
     full = sum(torch.arange(2 * world, dtype=torch.float32) * (r + 1) for r in range(world))
     assert [r["scattered"] for r in results] == [full[2 * r:2 * r + 2].tolist() for r in range(world)]
+
+
+def test_a_cut_link_between_hosts_raises_on_every_rank_within_the_timeout(tmp_path, two_namespaces):
+    """The hosts stay up but the link between them goes down (no reset, no close: a
+    partition): every rank's all-reduce raises a DistError near the group's timeout,
+    naming the op, instead of waiting for ever."""
+    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+    timeout_s = 4.0
+    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"{addr_a}:29400", "--rdzv-id", "netns-cut", "--max-restarts", "0"]
+    args = (WORKER, "partition", str(tmp_path), str(timeout_s))
+    node_a = Launcher(*common, "--local-addr", addr_a, *args, env=env, netns=ns_a)
+    node_b = Launcher(*common, "--local-addr", addr_b, *args, env=env, netns=ns_b)
+    try:
+        wait_for(lambda: len(records(tmp_path, "ready*.json")) == 4, 40, "the four ranks to form the group")
+        veth_b = _ip("-n", ns_b, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
+        assert _ip("-n", ns_b, "link", "set", veth_b, "down").returncode == 0
+        (tmp_path / "cut").write_text("1")
+        wait_for(lambda: len(records(tmp_path, "partition*.json")) == 4, 4 * timeout_s + 20,
+                 "every rank to give up on the all-reduce")
+    finally:
+        node_a.kill(), node_b.kill()
+    for outcome in records(tmp_path, "partition*.json"):
+        assert outcome["raised"] in ("DistBackendError", "DistNetworkError", "DistError", "TimeoutError"), outcome
+        assert "all_reduce" in outcome["message"] or "allreduce" in outcome["message"], outcome
+        assert outcome["seconds"] < 3 * timeout_s, outcome

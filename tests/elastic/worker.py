@@ -14,6 +14,9 @@ for orphans. Then:
 ``hosts``        init_process_group() with no arguments, then collectives whose results depend on every
                  rank (small and large all-reduce, all-gather, broadcast, reduce-scatter); record them and
                  the backend the default picked
+``partition``    init_process_group(timeout=ARG seconds) and a barrier, write ``ready<RANK>``, wait for
+                 ``OUTDIR/cut`` (the test cuts the link between the hosts), then all_reduce: record
+                 what it raised and after how long
 ``no-secret``    try the launcher's store without the secret; record what happened
 ``print``        print a line on stdout and one on stderr
 ``elastic``      barrier in the store, write ``joined<RANK>.world<N>``; in a world of 1 after the test
@@ -128,6 +131,27 @@ elif MODE == "hosts":
                                 "backend": type(torchdist.group.WORLD.backend).__name__})
     store_barrier()  # nobody tears the group down while a peer may still be finishing its last collective
     torchdist.destroy_process_group()
+elif MODE == "partition":
+    from datetime import timedelta
+
+    import torch
+
+    import torchdist
+
+    torchdist.init_process_group(timeout=timedelta(seconds=float(ARG)))
+    torchdist.barrier()
+    write(f"ready{RANK}.json", {})
+    while not os.path.exists(os.path.join(OUTDIR, "cut")):
+        time.sleep(0.05)
+    start = time.monotonic()
+    try:
+        torchdist.all_reduce(torch.ones(1 << 16))
+        outcome = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        outcome = {"raised": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    write(f"partition{RANK}.json", outcome)
+    os._exit(0)  # the group is broken and its peers unreachable: nothing to tear down
 elif MODE == "no-secret":
     outcome = {}
     for label, secret in (("none", ""), ("wrong", "not-the-secret"), ("right", None)):
