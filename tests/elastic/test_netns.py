@@ -153,3 +153,26 @@ def test_a_cut_link_between_hosts_raises_on_every_rank_within_the_timeout(tmp_pa
         assert outcome["raised"] in ("DistBackendError", "DistNetworkError", "DistError", "TimeoutError"), outcome
         assert "all_reduce" in outcome["message"] or "allreduce" in outcome["message"], outcome
         assert outcome["seconds"] < 3 * timeout_s, outcome
+
+
+def test_rpc_across_two_namespaces(tmp_path, two_namespaces):
+    """One RPC worker per "host": calls, an RRef and a distributed backward cross the
+    veth pair, and the same-host upgrade (Unix sockets) is not taken between hosts."""
+    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"{addr_a}:29400", "--rdzv-id", "netns-rpc"]
+    node_a = Launcher(*common, "--local-addr", addr_a, WORKER, "rpc", str(tmp_path), env=env, netns=ns_a)
+    node_b = Launcher(*common, "--local-addr", addr_b, WORKER, "rpc", str(tmp_path), env=env, netns=ns_b)
+    try:
+        done_a, done_b = node_a.finish(60), node_b.finish(60)
+    finally:
+        node_a.kill(), node_b.kill()
+    assert done_a.returncode == 0, done_a.stderr
+    assert done_b.returncode == 0, done_b.stderr
+    results = records(tmp_path, "rpc*.json")
+    assert [r["added"] for r in results] == [[1.0] * 3, [2.0] * 3]
+    for result in results:
+        assert result["owned"] == [0.0, 2.0, 4.0]
+        assert result["grad"] == [3.0, 3.0]
+        assert result["families"] == ["AF_INET"]

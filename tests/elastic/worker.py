@@ -17,6 +17,8 @@ for orphans. Then:
 ``partition``    init_process_group(timeout=ARG seconds) and a barrier, write ``ready<RANK>``, wait for
                  ``OUTDIR/cut`` (the test cuts the link between the hosts), then all_reduce: record
                  what it raised and after how long
+``rpc``          init_rpc(f"worker{RANK}"), then rpc_sync, remote and a distributed backward through the
+                 next rank; record the results and whether the link to the peer stayed on TCP
 ``no-secret``    try the launcher's store without the secret; record what happened
 ``print``        print a line on stdout and one on stderr
 ``elastic``      barrier in the store, write ``joined<RANK>.world<N>``; in a world of 1 after the test
@@ -152,6 +154,27 @@ elif MODE == "partition":
     outcome["seconds"] = time.monotonic() - start
     write(f"partition{RANK}.json", outcome)
     os._exit(0)  # the group is broken and its peers unreachable: nothing to tear down
+elif MODE == "rpc":
+    import torch
+
+    import torchdist.autograd as dist_autograd
+    from torchdist import rpc
+
+    world = int(os.environ["WORLD_SIZE"])
+    rpc.init_rpc(f"worker{RANK}", rank=RANK, world_size=world)
+    peer = f"worker{(RANK + 1) % world}"
+    added = rpc.rpc_sync(peer, torch.add, args=(torch.ones(3), RANK))
+    owned = rpc.remote(peer, torch.mul, args=(torch.arange(3.0), 2))
+    w = torch.ones(2, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync(peer, torch.mul, args=(w, 3.0)).sum()
+        dist_autograd.backward(context_id, [loss])
+        grad = dist_autograd.get_gradients(context_id)[w]
+    # the peer's connection: a Unix socket would mean the same-host upgrade misjudged the hosts
+    families = sorted({conn.sock.family.name for conn in rpc.api._get().agent._conns.values()})
+    write(f"rpc{RANK}.json", {"added": added.tolist(), "owned": owned.to_here().tolist(), "grad": grad.tolist(),
+                              "families": families})
+    rpc.shutdown()
 elif MODE == "no-secret":
     outcome = {}
     for label, secret in (("none", ""), ("wrong", "not-the-secret"), ("right", None)):
