@@ -91,6 +91,21 @@ def test_backend_names():
             dist.BackendConfig(bad)
 
 
+@pytest.mark.parametrize("name, what", [("nccl", "NCCL"), ("mpi", "MPI"), ("ucc", "UCC"), ("xccl", "XCCL")])
+def test_pytorchs_backends_that_torchdist_lacks_raise_runtime_error(name, what):
+    """As a PyTorch built without them ("Distributed package doesn't have NCCL built in"),
+    and the failed init leaves nothing behind: a later init works."""
+    assert not dist.is_backend_available(name)
+    with pytest.raises(RuntimeError, match=f"doesn't have {what}.*built in.*backend='gloo'"):
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
+    dist.init_process_group("cpu:gloo,cuda:" + name, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_queries_before_init_raise():
     assert not dist.is_initialized()
     assert dist.is_available()

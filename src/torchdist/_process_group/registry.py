@@ -7,7 +7,9 @@ optional libraries); users add theirs with ``Backend.register_backend``.
 
 Names: ``"tcp"`` (sockets), ``"shm"`` (shared memory on one host), ``"auto"`` (the
 default CPU backend), ``"gloo"`` (an alias of the default, so unmodified scripts run),
-``"mpi"``, ``"nccl"``.
+and PyTorch's other names (``"nccl"``, ``"mpi"``, ``"ucc"``, ``"xccl"``), which torchdist
+does not provide: asking for one raises a ``RuntimeError`` that says so, as a PyTorch built
+without it does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ _DEFAULT_ALIASES = ("auto", "gloo")
 _DEFAULT_CPU_BACKEND = "auto"
 
 _custom_creators: dict[str, Callable] = {}
+
+# PyTorch's backends that torchdist does not provide: what each is, for the error.
+_NOT_BUILT_IN = {
+    "nccl": "NCCL (collectives on NVIDIA GPUs)",
+    "mpi": "MPI",
+    "ucc": "UCC",
+    "xccl": "XCCL (collectives on Intel GPUs)",
+}
 
 
 class Backend(str):
@@ -156,11 +166,18 @@ def get_default_backend_for_device(device: str | torch.device) -> str:
 
 
 def backend_creator(name: str) -> Callable:
-    """The creator registered under ``name``; ValueError for unknown names."""
+    """The creator registered under ``name``; RuntimeError for PyTorch's backends that torchdist
+    does not provide, ValueError for unknown names."""
     name = resolve_cpu_backend(name)
     if name in _custom_creators:
         return _custom_creators[name]
     target = _BUILTIN_CREATORS.get(name)
+    if target is None and name in _NOT_BUILT_IN:
+        raise RuntimeError(
+            f"Distributed package doesn't have {_NOT_BUILT_IN[name]} built in: torchdist has no {name!r} "
+            "backend; it runs collectives on CPU tensors. Use backend='gloo' or leave it None (shared "
+            "memory within a host, TCP across hosts)"
+        )
     if target is None:
         known = sorted(set(_BUILTIN_CREATORS) | set(_custom_creators) | set(_DEFAULT_ALIASES))
         raise ValueError(f"Invalid backend: {name!r}. Available backends: {known}, or register one "
