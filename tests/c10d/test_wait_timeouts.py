@@ -86,3 +86,29 @@ def test_any_source_receive_timeout_names_the_peers_it_waited_on(backend: str) -
     # The message named "ranks []": an any-source receive names no peer of its own.
     message = run_ranks(_stalled_any_source, 2, args=(backend,), timeout=60)[0]
     assert "timed out" in message and "ranks [1]" in message, message
+
+
+def _after_set_timeout(rank: int, world: int, simulate_hosts: bool):
+    if simulate_hosts:  # rank 2 alone on a second host: the hierarchical all-reduce
+        import os
+        os.environ["TORCHDIST_HOST_ID"] = f"host-{rank // 2}"
+    group = dist.new_group(list(range(world)))  # created with the default timeout (30 minutes)
+    group.set_timeout(timedelta(seconds=1))
+    assert group.timeout == timedelta(seconds=1)
+    dist.all_reduce(torch.ones(1), group=group)
+    if rank == world - 1:
+        time.sleep(4)  # long after the others gave up: the break reaches us on our next op
+        return None
+    start = time.monotonic()
+    with pytest.raises(DistBackendError, match="timed out after 1.0s"):
+        dist.all_reduce(torch.ones(1 << 16), group=group)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend, world, simulate_hosts",
+                         [("tcp", 2, False), ("shm", 2, False), ("auto", 3, True)])
+def test_set_timeout_changes_the_timeout_of_later_ops(backend: str, world: int, simulate_hosts: bool) -> None:
+    """``ProcessGroup.set_timeout`` as PyTorch's: the group's later ops give up at the new
+    timeout (the backends kept the one they were created with)."""
+    waited = run_ranks(_after_set_timeout, world, args=(simulate_hosts,), backend=backend, timeout=60)
+    assert all(0.9 <= w < 3.0 for w in waited[:-1]), waited

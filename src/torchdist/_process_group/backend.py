@@ -67,6 +67,16 @@ class ProcessGroupBackend:
         #: The group's collective sequence number: the backend adds 1 per collective it starts.
         self.seq = 0
 
+    @property
+    def timeout(self) -> timedelta:
+        """The group's timeout: what an op waits for its peers unless it has its own."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: timedelta) -> None:  # ProcessGroup.set_timeout: later ops use it
+        self._timeout = value
+        self._seconds = value.total_seconds()
+
     def rank(self) -> int:
         return self._rank
 

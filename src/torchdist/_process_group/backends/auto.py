@@ -104,6 +104,13 @@ class HierarchicalBackend(ProcessGroupBackend):
             if backend is not None:
                 backend._transport.companion = self._move_flat
 
+    @ProcessGroupBackend.timeout.setter
+    def timeout(self, value: timedelta) -> None:
+        ProcessGroupBackend.timeout.fset(self, value)
+        if "flat" in self.__dict__:  # set_timeout, not the base class's __init__
+            for backend in self._parts():
+                backend.timeout = value
+
     def _move_flat(self) -> None:
         """Called while an all-reduce waits in a sub-group: the flat group's P2P transfers,
         and the ops other threads posted to it meanwhile, keep moving. A peer may need them

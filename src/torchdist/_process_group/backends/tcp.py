@@ -127,7 +127,6 @@ class TcpBackend(ProcessGroupBackend):
                  global_ranks: list[int] | None = None, *, transport: Transport | None = None) -> None:
         super().__init__(store, rank, size, timeout, group_name, global_ranks)
         self._label = f"process group {group_name!r}" if group_name else "process group"
-        self._seconds = timeout.total_seconds()
         self._pid = os.getpid()  # (see quiesce)
         self._transport = transport if transport is not None else self._connect()
         self._engine = Engine(self._transport, self._label, idle_step=self._idle_step)
