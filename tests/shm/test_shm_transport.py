@@ -191,6 +191,40 @@ def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed(
     segment.buf.close()
 
 
+def test_a_rank_that_stalls_during_setup_is_named_at_the_timeout():
+    """Alive but not arriving: the error comes at the timeout asked for, names the group,
+    this rank and the missing one as the user knows them (global ranks 5 and 7 here)."""
+    from torchdist._transport.shm import CHUNK_BYTES, RING_BYTES
+    from torchdist._transport.shm_board import Layout
+    from torchdist._transport.shm_segment import Segment
+    from torchdist.errors import DistStoreError
+
+    store = HashStore()
+    outcome: dict = {}
+
+    def rank0() -> None:
+        try:
+            outcome["transport"] = ShmTransport.connect(store, 0, 2, 1.2, [5, 7], "group 'g'")
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+    thread = threading.Thread(target=rank0, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    store.wait(["shm/segment/0"])
+    segment = Segment.create(Layout(2, RING_BYTES, CHUNK_BYTES).total, 1, "setup")
+    store.set("shm/segment/1", segment.path)  # published and alive (holds its lock), never arrives
+    try:
+        thread.join(30)
+        took = time.monotonic() - start
+        error = outcome.get("error")
+        assert isinstance(error, DistStoreError), outcome
+        assert ("group 'g': rank 5 timed out after 1.2s waiting for ranks [7] to map the group's shared memory"
+                in str(error))
+        assert 1.1 < took < 4
+    finally:
+        segment.close()
+
+
 def test_a_rank_that_dies_during_a_symmetric_allocation_is_named_at_once(world):
     from torchdist._transport.shm_segment import Segment
     from torchdist.errors import DistNetworkError

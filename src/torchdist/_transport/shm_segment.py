@@ -309,7 +309,12 @@ def wait_until_all_mapped(store, key: str, rank: int, segments: list[Segment], t
                     f"{label}: ranks {[names[p] for p in gone]} exited while shared memory was being set up "
                     f"(rank {names[rank]} waited for them to map it); see their logs for why.") from None
             if time.monotonic() >= deadline:
-                raise
+                missing = [names[p] for p in range(len(segments)) if not store.check([f"{key}/{p}"])]
+                raise DistStoreError(
+                    f"{label}: rank {names[rank]} timed out after {timeout:.1f}s waiting for ranks {missing} "
+                    "to map the group's shared memory; they are alive but did not get there (stalled, or "
+                    "not creating this group): check that every rank creates the same groups in the same "
+                    "order, or raise the timeout.") from None
 
 
 def _map(path: str, size: int) -> mmap.mmap:
