@@ -259,3 +259,16 @@ def test_pending_work_answers_as_pytorchs():
     assert not work.is_success() and work.result() == [out]
     recv._complete(source_rank=2)
     assert recv.source_rank() == 2
+
+
+def test_point_to_point_errors_name_the_call_that_was_made():
+    """send's errors say send, recv's say recv (they said isend and irecv: the ops they post)."""
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for call in (dist.send, dist.recv, dist.isend, dist.irecv):
+            with pytest.raises(TypeError, match=rf"^{call.__name__}: tensor must be a torch.Tensor"):
+                call([1.0], 0)
+            with pytest.raises(RuntimeError, match=rf"^{call.__name__}: invalid root rank"):
+                call(torch.zeros(1), 5)
+    finally:
+        dist.destroy_process_group()

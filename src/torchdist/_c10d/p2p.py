@@ -56,24 +56,26 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
 def _post_send(tensor: torch.Tensor, dst: int | None, group, tag: int, group_dst: int | None,
                async_op: bool) -> Work | None:
     """``isend``; ``async_op=False``: the caller waits next (``send``) and drives it itself."""
-    pg = member_group(group, "isend" if async_op else "send", refuse=not async_op)
+    op = "isend" if async_op else "send"
+    pg = member_group(group, op, refuse=not async_op)
     if pg is None:
         return None
-    check_tensor("isend", tensor)
-    tag = check_tag("send", tag)
-    peer = _peer(pg, "isend" if async_op else "send", dst, group_dst, "dst")
+    check_tensor(op, tensor)
+    tag = check_tag("send", tag)  # named as PyTorch's errors name it: its ProcessGroup.send method
+    peer = _peer(pg, op, dst, group_dst, "dst")
     return pg.backend.send(Staging().input(tensor), peer, tag, async_op=async_op)
 
 
 def _post_recv(tensor: torch.Tensor, src: int | None, group, tag: int, group_src: int | None,
                async_op: bool) -> Work | None:
     """``irecv``; ``async_op=False``: the caller waits next (``recv``) and drives it itself."""
-    pg = member_group(group, "irecv")
+    op = "irecv" if async_op else "recv"
+    pg = member_group(group, op)
     if pg is None:
         return None
-    check_tensor("irecv", tensor)
-    tag = check_tag("recv", tag)
-    peer = None if src is None and group_src is None else _peer(pg, "irecv", src, group_src, "src")
+    check_tensor(op, tensor)
+    tag = check_tag("recv", tag)  # as PyTorch's ProcessGroup.recv names it
+    peer = None if src is None and group_src is None else _peer(pg, op, src, group_src, "src")
     stage = Staging()
     return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag, async_op=async_op), async_op=True)
 
