@@ -36,9 +36,7 @@ def empty(*size, dtype: torch.dtype | None = None, group: ProcessGroup | None = 
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     dtype = dtype or torch.get_default_dtype()
-    pg = member_group(group, "symmetric_memory.empty")
-    if pg is None:
-        raise ValueError("symmetric_memory.empty: this rank is not a member of the group")
+    pg = member_group(group, "symmetric_memory.empty", refuse=True)
     backend = pg.backend
     allocate = getattr(backend, "allocate_symmetric", None)
     if allocate is None:

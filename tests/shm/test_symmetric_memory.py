@@ -125,6 +125,24 @@ def test_a_group_not_on_shared_memory_says_so() -> None:
         assert "one host" in message and "'shm'" in message
 
 
+def _outside_the_group(rank: int, world: int) -> str | None:
+    import warnings
+
+    group = torchdist.new_group([0])
+    if rank == 0:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not warned about and then refused
+        with pytest.raises(ValueError) as info:
+            torchdist.symmetric_memory.empty(4, group=group)
+    return str(info.value)
+
+
+def test_a_rank_outside_the_group_is_refused_without_a_warning() -> None:
+    message = run_ranks(_outside_the_group, 2, backend="shm", timeout=60)[1]
+    assert message.startswith("symmetric_memory.empty: Invalid process group specified: rank 1"), message
+
+
 def _ours() -> set[str]:
     return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
 
