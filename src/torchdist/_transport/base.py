@@ -1,11 +1,13 @@
 """The transport interface: post sends and receives of byte buffers, then drive them.
 
 This is the only thing algorithms (``torchdist._algorithms``) see of the network, so
-the TCP, loopback and (later) shared-memory transports share every algorithm.
+the TCP, loopback and shared-memory transports share every algorithm (the
+shared-memory backend adds its own in ``_algorithms.shm_direct``, which read and
+write the peers' memory directly).
 
 Model (gloo's ``Pair``, made non-blocking):
 
-- ``isend(peer, header, payload)`` and ``irecv(peer, payload, ...)`` *post* a
+- ``isend(peer, kind, seq, fingerprint, payload)`` and ``irecv(peer, ..., payload)`` *post* a
   :class:`Transfer` and return at once; nothing waits;
 - ``wait(transfers, deadline)`` drives every posted transfer (not only the ones
   named) until the named ones are done. One thread does this for all peers, so a
@@ -34,7 +36,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError
 from .framing import HEADER, MsgKind, OpFingerprint, wire_key
 
-__all__ = ["Transfer", "Transport", "PeerTimeout", "EMPTY", "COMPANION_SLICE_S"]
+__all__ = ["Transfer", "Transport", "PeerTimeout", "EMPTY", "COMPANION_SLICE_S", "advance_receive"]
 
 #: The longest a wait blocks between calls of its transport's ``companion`` (s).
 COMPANION_SLICE_S = 0.002
@@ -101,6 +103,19 @@ class Transfer:
         direction = "send to" if self.is_send else "recv from"
         return (f"Transfer({self.kind.name} {direction} {self.peer}, seq={self.seq}, "
                 f"tag={self.tag}, {self.nbytes} B, done={self.done})")
+
+
+def advance_receive(channel, n: int) -> None:
+    """``n`` more bytes of the receive a transport's inbound ``channel`` fills
+    (``channel.target``, ``channel.got`` bytes so far) have landed: report them to its
+    ``on_data``, and finish it once complete (``n`` may be 0: a zero-byte message)."""
+    channel.got += n
+    target = channel.target
+    if n and target.on_data is not None:
+        target.on_data(channel.got)
+    if channel.got == target.nbytes:
+        channel.target = None
+        target.finish()
 
 
 class Transport(abc.ABC):

@@ -38,7 +38,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport
+from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early
 from .shm_board import BLOCK_S, Board
@@ -368,7 +368,7 @@ class ShmTransport(Transport):
                 break
             n = min(avail, target.nbytes - channel.got)
             self._take(channel, target.view[channel.got:], n)
-            self._advance(channel, n)
+            advance_receive(channel, n)
         if channel.tail != start_tail:
             # Our copies out of the ring precede this store: the sender overwrites only after it.
             channel.ctl[channel.tail_i] = channel.tail
@@ -393,7 +393,7 @@ class ShmTransport(Transport):
         channel.target, channel.got = target, 0
         self._activity += 1
         if target.nbytes == 0:
-            self._advance(channel, 0)
+            advance_receive(channel, 0)
 
     def _early_done(self, peer: int, header: tuple, payload: bytes) -> None:
         """An unexpected message is in memory: hand it to a receive posted while it
@@ -410,15 +410,6 @@ class ShmTransport(Transport):
         header, channel.parked = channel.parked, None
         self._dispatch(channel, header)
         self._read(channel)
-
-    def _advance(self, channel: _In, n: int) -> None:
-        channel.got += n
-        target = channel.target
-        if n and target.on_data is not None:
-            target.on_data(channel.got)
-        if channel.got == target.nbytes:
-            channel.target = None
-            target.finish()
 
     def _ring_bells(self) -> None:
         if self._wake:

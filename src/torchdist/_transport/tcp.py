@@ -44,7 +44,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport
+from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, Header, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early
 
@@ -331,7 +331,7 @@ class TcpTransport(Transport):
                     take = staged if staged < remaining else remaining
                     target.view[channel.got:channel.got + take] = view[channel.start:channel.start + take]
                     channel.start += take
-                    self._advance(channel, take)
+                    advance_receive(channel, take)
                     continue
                 channel.start = channel.end = 0
                 # Large remainders go straight into the destination; small ones through
@@ -352,7 +352,7 @@ class TcpTransport(Transport):
             if dest is view or target is None:
                 channel.end += n
             else:
-                self._advance(channel, n)
+                advance_receive(channel, n)
             drained = n < len(dest)
 
     def _dispatch(self, channel: _Channel, header: tuple) -> None:
@@ -384,7 +384,7 @@ class TcpTransport(Transport):
             target.on_done = self._early_done(channel.peer, header)
         channel.target, channel.got = target, 0
         if target.nbytes == 0:
-            self._advance(channel, 0)
+            advance_receive(channel, 0)
 
     def _read_the_others(self, aborter: int) -> None:
         """Before an ABORT from ``aborter`` breaks us: read what the other peers have
@@ -418,15 +418,6 @@ class TcpTransport(Transport):
             else:
                 self._matcher.keep(peer, header, bytes(transfer.view))
         return done
-
-    def _advance(self, channel: _Channel, n: int) -> None:
-        channel.got += n
-        target = channel.target
-        if n and target.on_data is not None:
-            target.on_data(channel.got)
-        if channel.got == target.nbytes:
-            channel.target = None
-            target.finish()
 
     def _unpark(self, channel: _Channel) -> None:
         """A P2P receive was posted: read the parked collective message into memory, so
