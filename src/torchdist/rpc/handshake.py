@@ -29,7 +29,7 @@ from .._auth import NONCE_BYTES, PROOF_BYTES, SECRET_ENV, AuthenticationError, C
     ServerHandshake, resolve_secret
 from ..errors import DistNetworkError
 
-__all__ = ["SECRET_ENV", "job_secret", "authenticate"]
+__all__ = ["SECRET_ENV", "job_secret", "authenticate", "recv_exact"]
 
 _HELLO = struct.Struct("<8sHB")
 _MAGIC = b"TDRPC\x00\x00\x01"
@@ -41,12 +41,14 @@ def job_secret() -> bytes | None:
     return resolve_secret()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, during: str = "during the RPC handshake") -> bytes:
+    """Exactly ``n`` bytes from the blocking ``sock``; ConnectionResetError (naming what
+    was going on, ``during``) if the peer closes it first."""
     data = bytearray()
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
-            raise ConnectionResetError("the peer closed the connection during the RPC handshake")
+            raise ConnectionResetError(f"the peer closed the connection {during}")
         data += chunk
     return bytes(data)
 
@@ -61,7 +63,7 @@ def authenticate(sock: socket.socket, initiator: bool, peer_name: str, secret: b
     sock.settimeout(timeout)
     try:
         sock.sendall(_HELLO.pack(_MAGIC, _VERSION, secret is not None))
-        magic, version, has_secret = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+        magic, version, has_secret = _HELLO.unpack(recv_exact(sock, _HELLO.size))
         if magic != _MAGIC or version != _VERSION:
             raise DistNetworkError(f"RPC handshake with {peer_name} failed: not a torchdist RPC peer "
                                    f"(magic={magic!r}, version={version})")
@@ -75,14 +77,14 @@ def authenticate(sock: socket.socket, initiator: bool, peer_name: str, secret: b
         if initiator:
             client = ClientHandshake(secret)
             sock.sendall(client.hello())
-            sock.sendall(client.answer(_recv_exact(sock, NONCE_BYTES + PROOF_BYTES), peer=peer_name))
-            if _recv_exact(sock, 1) != b"\x01":
+            sock.sendall(client.answer(recv_exact(sock, NONCE_BYTES + PROOF_BYTES), peer=peer_name))
+            if recv_exact(sock, 1) != b"\x01":
                 raise AuthenticationError(f"RPC handshake: {peer_name} refused this worker's proof of the "
                                           f"job secret. Set the same {SECRET_ENV} on every worker.")
         else:
             server = ServerHandshake(secret)
-            sock.sendall(server.challenge(_recv_exact(sock, NONCE_BYTES)))
-            ok = server.verify(_recv_exact(sock, PROOF_BYTES))
+            sock.sendall(server.challenge(recv_exact(sock, NONCE_BYTES)))
+            ok = server.verify(recv_exact(sock, PROOF_BYTES))
             sock.sendall(b"\x01" if ok else b"\x00")
             if not ok:
                 raise AuthenticationError(

@@ -55,7 +55,7 @@ from .._store import FileStore, PrefixStore, TCPStore
 from .._transport.mesh import local_address
 from ..errors import DistError, DistNetworkError, DistStoreError
 from . import same_host
-from .handshake import authenticate
+from .handshake import authenticate, recv_exact
 from .options import WorkerInfo
 
 __all__ = ["STATIC_GROUP_KEY", "check_group_kind", "dynamic_store", "Membership", "Listener"]
@@ -66,6 +66,7 @@ STATIC_GROUP_KEY = "rpc/is_static_group"
 _HELLO = struct.Struct("<8sq")
 _MAGIC = b"TDRPCJN1"
 _ACK = b"\x01"
+_JOINING = "while joining the RPC group"  # what recv_exact says was going on
 
 
 def check_group_kind(store, static: bool) -> None:
@@ -203,7 +204,7 @@ class Membership:
             authenticate(sock, True, repr(info), secret, self.timeout)
             sock = same_host.upgrade(sock, True, repr(info), shm, self.timeout)
             sock.settimeout(self.timeout)
-            if _recv_exact(sock, 1) != _ACK:
+            if recv_exact(sock, 1, _JOINING) != _ACK:
                 raise DistNetworkError(f"{info} refused {self.me} as a new RPC group member")
             sock.settimeout(None)
         except OSError as exc:
@@ -279,20 +280,10 @@ class Listener:
         timeout = self._membership.timeout
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        magic, rank = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+        magic, rank = _HELLO.unpack(recv_exact(sock, _HELLO.size, _JOINING))
         if magic != _MAGIC:
             raise DistNetworkError(f"not a torchdist RPC worker (magic={magic!r})")
         name = self._membership.store.get(f"ids/{rank}").decode()
         self._joiner = WorkerInfo(name, rank)
         authenticate(sock, False, repr(self._joiner), self._secret, timeout)
         return same_host.upgrade(sock, False, repr(self._joiner), self._shm, timeout)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("the peer closed the connection while joining the RPC group")
-        data += chunk
-    return bytes(data)

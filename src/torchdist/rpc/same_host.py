@@ -46,6 +46,7 @@ import torch
 
 from .._auth import AuthenticationError
 from ..errors import DistNetworkError
+from .handshake import recv_exact
 
 __all__ = ["SEGMENT_MIN_BYTES", "MAX_FDS", "available", "upgrade", "make_segment", "map_segment", "fds_from"]
 
@@ -57,6 +58,7 @@ SEGMENT_MIN_BYTES = 1 << 20
 MAX_FDS = 64  # segments per frame; further large buffers travel inline
 _TOKEN_BYTES = 32
 _LEN = struct.Struct("<H")
+_UPGRADING = "during the same-host upgrade"  # what recv_exact says was going on
 
 
 def available() -> bool:
@@ -79,19 +81,9 @@ def _send_blob(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("the peer closed the connection during the same-host upgrade")
-        data += chunk
-    return bytes(data)
-
-
 def _recv_blob(sock: socket.socket) -> bytes:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return _recv_exact(sock, length)
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, _UPGRADING))
+    return recv_exact(sock, length, _UPGRADING)
 
 
 def upgrade(sock: socket.socket, initiator: bool, peer_name: str, enabled: bool, timeout: float) -> socket.socket:
@@ -129,14 +121,14 @@ def _server_side(sock: socket.socket, timeout: float) -> socket.socket | None:
         token = secrets.token_bytes(_TOKEN_BYTES)
         _send_blob(sock, name)
         _send_blob(sock, token)
-        if _recv_exact(sock, 1) != b"\x01":
+        if recv_exact(sock, 1, _UPGRADING) != b"\x01":
             return None
         listener.settimeout(timeout)
         unix, _ = listener.accept()
     finally:
         listener.close()
     unix.settimeout(timeout)
-    if not hmac.compare_digest(_recv_exact(unix, _TOKEN_BYTES), token):
+    if not hmac.compare_digest(recv_exact(unix, _TOKEN_BYTES, _UPGRADING), token):
         unix.close()
         raise AuthenticationError("RPC same-host upgrade: the Unix socket peer did not present the token sent "
                                   "over the authenticated connection; refused before reading any message")
@@ -158,7 +150,7 @@ def _client_side(sock: socket.socket, timeout: float) -> socket.socket | None:
         return None
     sock.sendall(b"\x01")
     unix.sendall(token)
-    if _recv_exact(unix, 1) != b"\x01":
+    if recv_exact(unix, 1, _UPGRADING) != b"\x01":
         unix.close()
         raise AuthenticationError("RPC same-host upgrade: the peer refused this worker's token")
     unix.settimeout(None)
