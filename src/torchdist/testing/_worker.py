@@ -139,7 +139,7 @@ def worker_main(
             payload = pickle.dumps(Report(ok=True, result=result), pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise TypeError(
-                f"the return value of {_name(spec.fn)} "
+                f"the return value of {qualified_name(spec.fn)} "
                 f"({type(result).__name__}) cannot be pickled back to the test process"
             ) from exc
     except BaseException as exc:  # noqa: BLE001 - the report is the point
@@ -274,5 +274,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__qualname__}: {first}" if first else type(exc).__qualname__
 
 
-def _name(fn: Callable[..., Any]) -> str:
+def qualified_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of ``fn``, for reports."""
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

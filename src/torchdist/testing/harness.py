@@ -130,7 +130,7 @@ def run_ranks(
     kwargs = dict(kwargs or {})
     env = dict(env or {})
     _check_arguments(fn, world_size, timeout, grace, env)
-    label = f"run_ranks({_qualified_name(fn)}, world_size={world_size})"
+    label = f"run_ranks({_worker.qualified_name(fn)}, world_size={world_size})"
 
     port = free_port()
     stacks_dir = tempfile.mkdtemp(prefix="torchdist-ranks-")
@@ -496,8 +496,4 @@ def _check_arguments(
             raise TypeError(
                 f"run_ranks: env must map str to str, got {key!r}: {type(value).__name__}"
             )
-
-
-def _qualified_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
