@@ -46,8 +46,6 @@ class DDPConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    broadcast_buffers: bool = True
-    init_sync: bool = True
     solo_param_bytes: int = DEFAULT_SOLO_PARAM_BYTES
 
     def __post_init__(self) -> None:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -137,9 +136,6 @@ class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group,
                  config: DDPConfig, expect_sparse: Sequence[bool] | None = None) -> None:
         """``expect_sparse[i]``: parameter i gets sparse gradients (a bucket of its own)."""
-        if not params:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
-                               "that requires a gradient.")
         self._params = list(params)
         self._names = list(names)
         self._expect_sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self._params)
@@ -253,7 +249,6 @@ class Reducer:
         """``DDP._set_static_graph()``: switch to static-graph mode before the first iteration."""
         if self.num_backward > 0 or self._require_finalize:
             raise RuntimeError("_set_static_graph() must be called before the first training iteration")
-        self._config = replace(self._config, static_graph=True)
         self._static = True
         self._find_unused = False
 
@@ -262,10 +257,6 @@ class Reducer:
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hook, self._comm_state = hook, state
-
-    @property
-    def has_comm_hook(self) -> bool:
-        return self._comm_hook is not None
 
     def set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
         """Join: the forward's all-reduce of ones counts the ranks that have not joined

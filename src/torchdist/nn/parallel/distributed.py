@@ -229,7 +229,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else None,
             bucket_cap_mb_list=tuple(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None,
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph, broadcast_buffers=self.broadcast_buffers, init_sync=init_sync)
+            static_graph=static_graph)
         self.bucket_bytes_cap = self._config.bucket_bytes_cap
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
