@@ -6,6 +6,7 @@ so every rank can compute what every op must produce.
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -295,8 +296,8 @@ def _local_validation_errors(rank, world):
 
     c = torch.ones(2, dtype=torch.complex64)
     expect("complex max", ValueError, lambda: dist.all_reduce(c, op=dist.ReduceOp.MAX))
-    expect("dtypes", ValueError, lambda: dist.all_gather([torch.ones(2), torch.ones(2, dtype=torch.int64)],
-                                                        torch.ones(2)))
+    mixed = [torch.ones(2)] * (world - 1) + [torch.ones(2, dtype=torch.int64)]
+    expect("dtypes", ValueError, lambda: dist.all_gather(mixed, torch.ones(2)))
     expect("list size", RuntimeError, lambda: dist.all_gather([torch.ones(2)] * (world + 1), torch.ones(2)))
     # the types PyTorch raises: ValueError from its Python checks, RuntimeError from its backend's
     expect("output size", RuntimeError, lambda: dist.all_gather_single(torch.ones(2 * world + 1), torch.ones(2)))
@@ -320,8 +321,22 @@ def _local_validation_errors(rank, world):
     return errors
 
 
-def test_local_mistakes_raise_before_anything_is_sent():
-    errors = run_ranks(_local_validation_errors, 2, backend="tcp")[1]
+def _local_validation_errors_on_two_hosts(rank, world):
+    os.environ["TORCHDIST_HOST_ID"] = f"host{rank // 2}"  # hosts {0, 1} and {2}: hierarchical
+    dist.init_process_group("auto", init_method="env://", rank=rank, world_size=world)
+    try:
+        assert type(dist.group.WORLD.backend).__name__ == "HierarchicalBackend"
+        return _local_validation_errors(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "hierarchical"])
+def test_local_mistakes_raise_before_anything_is_sent(backend):
+    if backend == "hierarchical":
+        errors = run_ranks(_local_validation_errors_on_two_hosts, 3, timeout=60)[1]
+    else:
+        errors = run_ranks(_local_validation_errors, 2, backend=backend)[1]
     assert "does not support MAX on complex tensors" in errors["complex max"]
     assert "different dtypes" in errors["dtypes"]
     assert "one per rank" in errors["list size"]

@@ -24,7 +24,7 @@ import torch
 from .._transport.base import EMPTY, Transfer, Transport
 from .._transport.framing import MsgKind, OpFingerprint
 
-__all__ = ["Comm", "Scratch", "byte_view", "copy_into", "chunk_bounds", "gather_pieces"]
+__all__ = ["Comm", "Scratch", "byte_view", "copy_into", "chunk_bounds", "gather_pieces", "flatten", "unflatten_into"]
 
 
 #: Below this many bytes ``copy_into`` is ``Tensor.copy_``: the same speed, and no
@@ -50,6 +50,22 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor of ``tensors``' elements, in order (coalesced ops run on it); a
+    flat view of the tensor itself when there is only one and it is contiguous."""
+    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat`` (from :func:`flatten`) back into ``tensors``."""
+    if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
+        return  # flatten's view of the one tensor: the results are already in place
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

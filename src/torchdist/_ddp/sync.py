@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from .._algorithms.comm import flatten, unflatten_into
 from .._c10d.collectives import all_reduce, broadcast
 from .._c10d.object_collectives import all_gather_object
 from .._process_group.reduce_op import ReduceOp
@@ -64,12 +65,9 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group,
             if len(chunk) == 1 and chunk[0].is_contiguous():
                 broadcast(chunk[0].data, group_src=src, group=group)
                 continue
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            flat = flatten([t.detach() for t in chunk])
             broadcast(flat, group_src=src, group=group)
-            offset = 0
-            for t in chunk:
-                t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            unflatten_into(flat, [t.data for t in chunk])
 
 
 def find_common_rank(group, candidate: bool) -> int:

@@ -45,13 +45,13 @@ from datetime import timedelta
 import torch
 
 from ...errors import DistBackendError
-from ..._algorithms.comm import Comm
+from ..._algorithms.comm import Comm, flatten, unflatten_into
 from ..._algorithms.reduction import average
 from ..._store.prefix_store import PrefixStore
 from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.shm_segment import supported
 from ..backend import ProcessGroupBackend
-from ..reduce_op import RedOpType, ReduceOp, as_red_op
+from ..reduce_op import ReduceOp
 from ..work import Work
 from .shm import ShmBackend, exchange_hosts
 from .tcp import TcpBackend
@@ -136,30 +136,26 @@ class HierarchicalBackend(ProcessGroupBackend):
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                   async_op: bool = False) -> Work:
-        kind, factor = as_red_op(op)
-        if kind is RedOpType.UNUSED:
-            raise ValueError("ReduceOp.UNUSED is not a reduction")
-        sub_op = ReduceOp.SUM if kind in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
+        # What the op means for this dtype, worked out (and refused, e.g. SUM of float8)
+        # before anything is sent, as on the flat group's own ops.
+        code, _, premul, is_avg = self.flat._reduction(op, tensors[0].dtype)
+        sub_op = ReduceOp.SUM if is_avg or premul is not None else op
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         fingerprint = OpFingerprint.of(OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED,
-                                       tensors[0].dtype, sum(t.numel() for t in tensors), -1, int(kind))
+                                       tensors[0].dtype, sum(t.numel() for t in tensors), -1, code)
 
         def body(work, seq: int) -> None:
             announced = self._announce(seq, fingerprint)
-            flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-            if kind is RedOpType.PREMUL_SUM:
-                flat.mul_(factor)
+            flat = flatten(tensors)
+            if premul is not None:
+                flat.mul_(premul)
             self.local.reduce(flat, 0, sub_op).wait()       # reduce within the host, into its leader
             if self.leaders is not None:
                 self.leaders.allreduce([flat], sub_op).wait()  # all-reduce between the leaders
             self.local.broadcast(flat, 0).wait()             # broadcast within the host
-            if kind is RedOpType.AVG:
+            if is_avg:
                 average(flat, self._size)
-            if len(tensors) > 1:
-                offset = 0
-                for t in tensors:
-                    t.view(-1).copy_(flat[offset:offset + t.numel()])
-                    offset += t.numel()
+            unflatten_into(flat, tensors)
             announced()
         return self.flat._issue_op("allreduce", tensors, True, body, nbytes, async_op)
 

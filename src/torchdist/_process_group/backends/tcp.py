@@ -45,7 +45,7 @@ import torch
 
 from ...errors import DistBackendError, DistError
 from ..._algorithms import collectives as algo
-from ..._algorithms.comm import Comm, Scratch, byte_view
+from ..._algorithms.comm import Comm, Scratch, byte_view, flatten, unflatten_into
 from ..._algorithms.reduction import Average, average, combiner
 from ..._transport.base import PeerTimeout, Transfer, Transport
 from ..._transport.engine import Engine, EngineOp
@@ -293,15 +293,11 @@ class TcpBackend(ProcessGroupBackend):
 
         def run(comm: Comm) -> None:
             # Coalesced: one flat buffer, one algorithm run, copied back per tensor.
-            flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+            flat = flatten(tensors)
             if premul is not None:
                 flat.mul_(premul)
             self._algorithms.allreduce(comm, flat, combine, Average(comm.size) if is_avg else None)
-            if len(tensors) > 1:
-                offset = 0
-                for t in tensors:
-                    t.view(-1).copy_(flat[offset:offset + t.numel()])
-                    offset += t.numel()
+            unflatten_into(flat, tensors)
         return self._collective("allreduce", tensors, fingerprint, run, async_op)
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
