@@ -322,8 +322,9 @@ class StoreConformance:
         assert store.get("a") == b"1"
 
     def test_multi_set_length_mismatch_raises_value_error(self, store: Store) -> None:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="multi_set: got 2 keys but 1 values"):
             store.multi_set(["a", "b"], ["1"])
+        assert not store.check(["a"])  # nothing was set
 
     def test_multi_get_waits_for_missing_keys(self, store: Store) -> None:
         store.set("a", "1")

@@ -59,6 +59,14 @@ def key_list(keys: list[str | bytes]) -> list[str]:
     return [key_str(key) for key in keys]
 
 
+def key_value_lists(keys: list[str | bytes], values: list[str | bytes]) -> tuple[list[str], list[bytes]]:
+    """``multi_set``'s arguments as ``key_list`` and bytes; one value per key."""
+    keys = key_list(keys)
+    if len(keys) != len(values):
+        raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values; give one value per key")
+    return keys, [to_bytes(v) for v in values]
+
+
 def as_timedelta(timeout: timedelta | float | int) -> timedelta:
     """Accept a ``timedelta`` or a number of seconds."""
     if isinstance(timeout, timedelta):
@@ -146,8 +154,7 @@ class Store:
         return [self.get(key) for key in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        keys = key_list(keys)
-        for key, value in zip(keys, values, strict=True):
+        for key, value in zip(*key_value_lists(keys, values)):
             self.set(key, value)
 
     def list_keys(self) -> list[str]:

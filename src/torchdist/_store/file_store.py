@@ -66,7 +66,8 @@ from datetime import timedelta
 from typing import Callable, Iterator, TypeVar
 
 from ..errors import DistStoreError, QueueEmptyError
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
+from .base import (DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, key_value_lists, to_bytes,
+                   wait_timeout_error)
 from .table import KeyValueTable
 
 __all__ = ["FileStore"]
@@ -374,10 +375,8 @@ class FileStore(Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set every key in one write: a reader sees all of them or none."""
-        keys = key_list(keys)
-        users, values = [_user(k) for k in keys], [to_bytes(v) for v in values]
-        if len(users) != len(values):
-            raise ValueError(f"multi_set: got {len(users)} keys but {len(values)} values")
+        keys, values = key_value_lists(keys, values)
+        users = [_user(k) for k in keys]
         with self._locked(exclusive=True):
             self._catch_up()
             for key, value in zip(users, values):

@@ -23,7 +23,8 @@ from datetime import timedelta
 from typing import Callable
 
 from ..errors import QueueEmptyError
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
+from .base import (DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, key_value_lists, to_bytes,
+                   wait_timeout_error)
 from .table import KeyValueTable
 
 __all__ = ["HashStore"]
@@ -136,9 +137,7 @@ class HashStore(Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set every key at once: a waiter never sees some of them without the others."""
-        keys, values = key_list(keys), [to_bytes(v) for v in values]
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
+        keys, values = key_value_lists(keys, values)
         with self._shared.cond:
             for key, value in zip(keys, values):
                 self._shared.table.set(key, value)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .base import Store, key_list, key_str, to_bytes
+from .base import Store, key_list, key_str, key_value_lists, to_bytes
 
 __all__ = ["PrefixStore"]
 
@@ -113,10 +113,8 @@ class PrefixStore(Store):
         return self._store.multi_get([self._key(k) for k in keys])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        keys = key_list(keys)
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set: got {len(keys)} keys but {len(values)} values")
-        self._store.multi_set([self._key(k) for k in keys], [to_bytes(v) for v in values])
+        keys, values = key_value_lists(keys, values)
+        self._store.multi_set([self._key(k) for k in keys], values)
 
     # -- queues --------------------------------------------------------------------
     def queue_push(self, key: str, value: str | bytes) -> None:

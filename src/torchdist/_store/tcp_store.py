@@ -45,7 +45,8 @@ from typing import Sequence
 from .._auth import AuthenticationError, ClientHandshake, resolve_secret
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
 from . import wire
-from .base import DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, to_bytes, wait_timeout_error
+from .base import (DEFAULT_STORE_TIMEOUT, Store, as_timedelta, key_list, key_str, key_value_lists, to_bytes,
+                   wait_timeout_error)
 from .table import int64_amount
 from .tcp_server import TCPServer, acquire_server, release_server, retain_server
 from .wire import HEADER, HEADER_I64, HEADER_U8, I64, U32, Op, Status
@@ -536,10 +537,8 @@ class TCPStore(Store):
         return wire.unpack_strings(body, 0, len(body))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        keys = key_list(keys)
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        flat = [item for k, v in zip(keys, values) for item in (_key(k), to_bytes(v))]
+        keys, values = key_value_lists(keys, values)
+        flat = [item for k, v in zip(keys, values) for item in (_key(k), v)]
         self._conn.send(wire.frame(Op.MULTI_SET, wire.pack_strings(flat)))
 
     def list_keys(self) -> list[str]:
