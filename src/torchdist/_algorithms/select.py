@@ -66,6 +66,8 @@ from __future__ import annotations
 import enum
 import os
 
+from .halving_doubling import is_power_of_two
+
 __all__ = ["Algo", "allreduce_algo", "allgather_algo", "reduce_scatter_algo", "broadcast_algo",
            "reduce_algo", "alltoall_pairwise", "CHAIN_SEGMENT"]
 
@@ -82,9 +84,11 @@ class Algo(enum.Enum):
 #: Pipeline segment of the chain broadcast (bytes).
 CHAIN_SEGMENT = 1 << 20
 
-# Per-message byte thresholds below which the latency-optimal algorithm runs,
-# indexed by group size (clamped to the last entry). Measured; see the docstring.
+# Per-message byte thresholds below which the latency-optimal algorithm runs, by group
+# size; measured up to 4 (see the docstring). Larger groups take the smaller
+# _ALLREDUCE_SMALL_LARGER: the latency algorithms' byte counts grow with the group.
 _ALLREDUCE_SMALL = {2: 4 << 20, 3: 32 << 10, 4: 32 << 10}
+_ALLREDUCE_SMALL_LARGER = 16 << 10
 _GATHER_SMALL = 32 << 10
 _BROADCAST_SMALL = 256 << 10
 #: Below this, large all-reduces at powers of two >= 4 use halving-doubling. Measured.
@@ -101,10 +105,10 @@ def allreduce_algo(nbytes: int, size: int) -> Algo:
     forced = _forced("ALLREDUCE")
     if forced is not None:
         return forced
-    threshold = _ALLREDUCE_SMALL.get(size, 16 << 10)
+    threshold = _ALLREDUCE_SMALL.get(size, _ALLREDUCE_SMALL_LARGER)
     if nbytes < threshold or nbytes < size * 64:
-        return Algo.RECURSIVE_DOUBLING if size & (size - 1) == 0 else Algo.DIRECT
-    if size >= 4 and size & (size - 1) == 0 and nbytes < _HALVING_DOUBLING_LARGE:
+        return Algo.RECURSIVE_DOUBLING if is_power_of_two(size) else Algo.DIRECT
+    if size >= 4 and is_power_of_two(size) and nbytes < _HALVING_DOUBLING_LARGE:
         return Algo.HALVING_DOUBLING
     return Algo.RING
 
@@ -134,7 +138,7 @@ def reduce_algo(nbytes: int, size: int) -> Algo:
     forced = _forced("REDUCE")
     if forced is not None:
         return forced
-    return Algo.BINOMIAL if nbytes < _ALLREDUCE_SMALL.get(size, 16 << 10) else Algo.RING
+    return Algo.BINOMIAL if nbytes < _ALLREDUCE_SMALL.get(size, _ALLREDUCE_SMALL_LARGER) else Algo.RING
 
 
 def alltoall_pairwise(nbytes_per_peer: int, size: int) -> bool:

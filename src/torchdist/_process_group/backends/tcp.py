@@ -18,8 +18,9 @@ raises at once on every later call, with the original error as the cause.
 
 An ``async_op=True`` collective wakes the engine's worker, so it progresses
 while the caller does anything else (a peer may need it before it can join what
-the caller does next); a synchronous one runs on the caller's thread when it
-waits.
+the caller does next); so does a synchronous one of ``WAKE_BYTES`` or more (the
+worker starts it while the caller's thread gets to ``wait``); a smaller
+synchronous one runs on the caller's thread when it waits.
 
 Point-to-point ops are *posted* when issued, not queued behind the collectives
 issued before them (``Engine.post``): a peer may need the send before it joins
