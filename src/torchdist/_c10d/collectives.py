@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 
+from .._process_group.process_group import ProcessGroup
 from .._process_group.reduce_op import COMPLEX_REDUCE_OPS, RedOpType, ReduceOp, as_red_op
 from .._process_group.work import Work
 from ._args import (Staging, all_of, check_list, check_same_dtype, check_tensor, check_timeout, group_root,
@@ -91,7 +92,7 @@ def _check_root_list(op: str, tensor: torch.Tensor, tensors: list[torch.Tensor] 
                                f"got {tuple(t.shape)}); every tensor of {name} must have the shape of ``tensor``")
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy the root's ``tensor`` into every rank's ``tensor``."""
     pg = member_group(group, "broadcast")
@@ -103,7 +104,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
     return stage.finish(pg.backend.broadcast(stage.output(tensor), root, async_op=async_op), async_op)
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None, async_op: bool = False) -> Work | None:
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across ranks, in place, on every rank."""
     pg = member_group(group, "all_reduce")
     if pg is None:
@@ -130,7 +132,7 @@ def _require_tensors(op: str, tensors: list[torch.Tensor]) -> None:
                                   "list of Tensors); pass at least one tensor")
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group=None,
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                          async_op: bool = False) -> torch.futures.Future | None:
     """``all_reduce`` of several tensors of one dtype in a single operation."""
     _warn_coalesced("all_reduce_coalesced")
@@ -147,7 +149,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
     return work.get_future() if async_op else None  # PyTorch returns the future of the coalesced ops
 
 
-def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group=None,
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across ranks into the root's ``tensor`` (others may be clobbered)."""
     pg = member_group(group, "reduce")
@@ -160,7 +162,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     return stage.finish(pg.backend.reduce(stage.output(tensor), root, op, async_op=async_op), async_op)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """``tensor_list[i]`` receives rank i's ``tensor``."""
     pg = member_group(group, "all_gather")
@@ -180,7 +182,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     return stage.finish(work, async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False) -> Work | None:
     """``output_tensor`` is every rank's input concatenated along dim 0, in rank order."""
     warnings.warn(
@@ -191,7 +193,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     return all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
-def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
     """2.13's name of ``all_gather_into_tensor``."""
     pg = member_group(group, "all_gather_single")
@@ -211,7 +213,7 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
-                         group=None, async_op: bool = False) -> torch.futures.Future | None:
+                         group: ProcessGroup | None = None, async_op: bool = False) -> torch.futures.Future | None:
     """``all_gather`` of several tensors; ``output_tensor_lists[r][i]`` gets rank r's ``input_tensor_list[i]``."""
     _warn_coalesced("all_gather_coalesced")
     pg = member_group(group, "all_gather_coalesced")
@@ -237,7 +239,7 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
-           group=None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
+           group: ProcessGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """The root's ``gather_list[i]`` receives rank i's ``tensor`` (root: ``dst``, default 0)."""
     pg = member_group(group, "gather")
     if pg is None:
@@ -257,7 +259,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
-            group=None, async_op: bool = False, group_src: int | None = None) -> Work | None:
+            group: ProcessGroup | None = None, async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Rank i's ``tensor`` receives the root's ``scatter_list[i]`` (root: ``src``, default 0)."""
     pg = member_group(group, "scatter")
     if pg is None:
@@ -277,7 +279,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
-                   group=None, async_op: bool = False) -> Work | None:
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i's ``output`` receives the reduction over ranks of their ``input_list[i]``."""
     pg = member_group(group, "reduce_scatter")
     if pg is None:
@@ -296,8 +298,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Red
     return stage.finish(work, async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None,
-                          async_op: bool = False) -> Work | None:
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank r's ``output`` receives chunk r (along dim 0) of the reduced ``input``."""
     warnings.warn(
         "reduce_scatter_tensor is deprecated in PyTorch 2.13; use reduce_scatter_single instead.",
@@ -307,8 +309,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceO
     return reduce_scatter_single(output, input, op, group, async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group=None,
-                          async_op: bool = False) -> Work | None:
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """2.13's name of ``reduce_scatter_tensor``."""
     pg = member_group(group, "reduce_scatter_single")
     if pg is None:
@@ -326,8 +328,8 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceO
     return stage.finish(work, async_op)
 
 
-def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group=None,
-               async_op: bool = False) -> Work | None:
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i's ``output_tensor_list[j]`` receives rank j's ``input_tensor_list[i]``."""
     pg = member_group(group, "all_to_all")
     if pg is None:
@@ -361,7 +363,7 @@ def _splits(op: str, tensor: torch.Tensor, sizes: list[int] | None, world: int, 
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group=None,
+                      input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0; chunk j goes to rank j, arriving as its chunk ``rank``."""
     pg = member_group(group, "all_to_all_single")
@@ -385,7 +387,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     return stage.finish(pg.backend.alltoall(out_chunks, in_chunks, async_op=async_op), async_op, result=[output])
 
 
-def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None) -> Work | None:
+def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids=None,
+            timeout: timedelta | None = None) -> Work | None:
     """Block until every rank of the group has arrived (and all earlier ops have finished).
 
     ``timeout``: the barrier's own limit (default: the group's); past it, the barrier

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._process_group.process_group import ProcessGroup
 from . import collectives, p2p
 from ._args import group_root, member_group
 
@@ -42,8 +43,8 @@ def _sizes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.numel() for t in tensors], dtype=torch.long)
 
 
-def broadcast_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
-                          group_src: int | None = None) -> None:
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
+                          device=None, group_src: int | None = None) -> None:
     """Replace ``object_list``'s entries on every rank with the root's, in place."""
     pg = member_group(group, "broadcast_object_list")
     if pg is None:
@@ -81,7 +82,7 @@ def _all_gather_padded(tensor: torch.Tensor, pg) -> tuple[list[torch.Tensor], li
     return outputs, sizes, padded
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group=None) -> None:
+def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """``object_list[i]`` receives rank i's ``obj``."""
     pg = member_group(group, "all_gather_object")
     if pg is None:
@@ -101,8 +102,8 @@ def _fill(op: str, objects: list[Any], outputs: list[torch.Tensor], sizes: list[
         objects[i] = _from_tensor(tensor, size)
 
 
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group=None,
-                  group_dst: int | None = None) -> None:
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+                  group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """The root's ``object_gather_list[i]`` receives rank i's ``obj`` (root: ``dst``, default 0)."""
     pg = member_group(group, "gather_object")
     if pg is None:
@@ -119,7 +120,8 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
-                        src: int | None = None, group=None, group_src: int | None = None) -> None:
+                        src: int | None = None, group: ProcessGroup | None = None,
+                        group_src: int | None = None) -> None:
     """Rank i's ``scatter_object_output_list[0]`` receives the root's ``scatter_object_input_list[i]``."""
     pg = member_group(group, "scatter_object_list")
     if pg is None:
@@ -150,7 +152,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     scatter_object_output_list[0] = _from_tensor(received, int(received_size))
 
 
-def send_object_list(object_list: list[Any], dst: int | None = None, group=None, device=None,
+def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None, device=None,
                      group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst``, which calls ``recv_object_list``."""
     pg = member_group(group, "send_object_list", refuse=True)
@@ -159,7 +161,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group=None,
     p2p.send(torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8), dst, pg, group_dst=group_dst)
 
 
-def recv_object_list(object_list: list[Any], src: int | None = None, group=None, device=None,
+def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None, device=None,
                      group_src: int | None = None, use_batch: bool = False) -> int:
     """Fill ``object_list`` with the objects a peer sent; returns the sender's rank."""
     pg = member_group(group, "recv_object_list", refuse=True)

@@ -41,13 +41,13 @@ def _peer(pg: ProcessGroup, op: str, rank: int | None, group_rank: int | None, r
     return peer
 
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to ``dst``; the Work completes once it is handed off."""
     return _post_send(tensor, dst, group, tag, group_dst, async_op=True)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from ``src`` (None: from any rank)."""
     return _post_recv(tensor, src, group, tag, group_src, async_op=True)
@@ -80,14 +80,14 @@ def _post_recv(tensor: torch.Tensor, src: int | None, group, tag: int, group_src
     return stage.finish(pg.backend.recv(stage.output(tensor), peer, tag, async_op=async_op), async_op=True)
 
 
-def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     work = _post_send(tensor, dst, group, tag, group_dst, async_op=False)
     if work is not None:
         work.wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into ``tensor``; returns the sender's global rank (-1 for a non-member)."""
     work = _post_recv(tensor, src, group, tag, group_src, async_op=False)
@@ -102,7 +102,8 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 class P2POp:
     """One send or receive for ``batch_isend_irecv``: ``P2POp(isend, tensor, peer)``."""
 
-    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int | None = None, group=None, tag: int = 0,
+    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int | None = None,
+                 group: ProcessGroup | None = None, tag: int = 0,
                  group_peer: int | None = None) -> None:
         if op not in (isend, irecv):
             raise ValueError(
@@ -148,7 +149,8 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     return works
 
 
-def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
     """A barrier that names the ranks that did not arrive.
 
     Every rank reports to group rank 0, which waits up to ``timeout`` (default: the
