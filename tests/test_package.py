@@ -20,13 +20,13 @@ ALLOWED_INTERNAL_IMPORTS = {
     "symmetric_memory": {"errors", "_c10d", "_process_group"},
     "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "_ddp"},
     "algorithms": {"errors", "_c10d", "_process_group", "_ddp", "algorithms"},
-    "nn": {"errors", "_c10d", "_ddp", "algorithms", "nn"},
+    "nn": {"errors", "_c10d", "_process_group", "_ddp", "algorithms", "nn"},
     "utils": {"errors", "_c10d", "utils"},
     # RPC and distributed autograd are one layer, as in PyTorch: RPC records the
     # autograd edges of the tensors it carries, and backward travels as RPCs.
     "rpc": {"errors", "_auth", "_store", "_transport", "autograd", "rpc"},
     "autograd": {"errors", "rpc", "autograd"},
-    "optim": {"errors", "_c10d", "_ddp", "algorithms", "autograd", "rpc", "optim"},
+    "optim": {"errors", "_c10d", "_process_group", "_ddp", "algorithms", "autograd", "rpc", "optim"},
     "elastic": {"errors", "_auth", "_store", "elastic"},
     "run": {"elastic"},
     "testing": {"errors", "testing"},

@@ -24,7 +24,7 @@ format on every rank and keeps this rank's share.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from .._c10d.object_collectives import gather_object
 from .._c10d.world import WORLD
 from .._ddp.sync import broadcast_coalesced
+from .._process_group.process_group import ProcessGroup
 from ..algorithms.join import Join, JoinHook, Joinable
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -89,7 +90,8 @@ def _checked_params(params) -> list:
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wraps ``optimizer_class`` so that each rank holds the state of its share of ``params`` only."""
 
-    def __init__(self, params, optimizer_class: type[Optimizer], process_group=None,
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_class: type[Optimizer],
+                 process_group: ProcessGroup | None = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any) -> None:
         if overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True (stepping inside DDP's comm hook) is "
@@ -168,7 +170,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 if key != "params":
                     dst[key] = value
 
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's partition, then broadcast every partition from its owner."""
         Join.notify_join_context(self)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)  # e.g. a scheduler changed lr

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -47,6 +47,9 @@ from ..autograd.context import container as autograd_contexts
 from . import rref_context, same_host
 from . import membership
 from .agent import TcpAgent
+
+if TYPE_CHECKING:
+    from .rref import RRef  # imported at call time: rref imports this module
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT
 from .dispatch import RequestKind, RpcCodec, handle_request
 from .handshake import authenticate, job_secret
@@ -253,7 +256,7 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
 
 
 def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
-           timeout: float = UNSET_RPC_TIMEOUT):
+           timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
     """Run ``func`` on ``to`` and keep the result there; returns an RRef to it."""
     from .rref import RRef  # rref imports this module
 

@@ -38,6 +38,7 @@ from ..._ddp.bucket import GradBucket
 from ..._ddp.config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, DDPConfig
 from ..._ddp.reducer import Reducer
 from ..._ddp.sync import broadcast_coalesced, find_common_rank, verify_param_shapes
+from ..._process_group.process_group import ProcessGroup
 from ...algorithms.join import Join, JoinHook, Joinable
 
 __all__ = ["DistributedDataParallel"]
@@ -156,12 +157,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     (see docs/design/ddp.md); ``batched_grad_copy`` is accepted and has no effect.
     """
 
-    def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool | None = None, init_sync: bool = True, process_group=None,
+    def __init__(self, module: torch.nn.Module, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: ProcessGroup | None = None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
-                 device_mesh=None, skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 device_mesh=None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[float] | None = None,
                  batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None) -> None:
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -269,7 +273,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                _expect_sparse(self.module, self._module_params))
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, *inputs, **kwargs):
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
             self._pre_forward()
             output = self.module(*inputs, **kwargs)
