@@ -28,11 +28,12 @@ __all__ = ["direct_allreduce", "direct_allgather", "direct_reduce_scatter", "all
 def _fold(slots: list[torch.Tensor], combine: Combine, out: torch.Tensor) -> None:
     """``out = slots[0] op slots[1] op ...``, left to right (same order on every rank).
 
-    The slots are scratch rows: the fold accumulates into ``slots[0]``."""
+    The fold accumulates into ``slots[0]`` (scratch, or ``out`` itself)."""
     acc = slots[0]
     for slot in slots[1:]:
         combine(acc, slot)
-    out.copy_(acc)
+    if acc is not out:
+        out.copy_(acc)
 
 
 def direct_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
@@ -40,17 +41,12 @@ def direct_allreduce(comm: Comm, flat: torch.Tensor, combine: Combine) -> None:
     p, r = comm.size, comm.rank
     if p == 1:
         return
-    scratch = torch.empty((p, flat.numel()), dtype=flat.dtype)
+    scratch = comm.scratch(p * flat.numel(), flat.dtype).view(p, flat.numel())
     slots = [flat if peer == r else scratch[peer] for peer in range(p)]
     transfers = [comm.recv(peer, slots[peer]) for peer in range(p) if peer != r]
     transfers += [comm.send(peer, flat) for peer in range(p) if peer != r]
     comm.wait(*transfers)
-    # x0 op x1 op ... in rank order; rank 0 accumulates in place, others in scratch[0].
-    acc = slots[0]
-    for slot in slots[1:]:
-        combine(acc, slot)
-    if acc is not flat:
-        flat.copy_(acc)
+    _fold(slots, combine, flat)  # rank 0 accumulates in place, the others in scratch[0]
 
 
 def direct_allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
@@ -66,7 +62,7 @@ def direct_reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combi
     """``output`` = reduction over ranks of their ``chunks[rank]``; ``chunks`` stay intact."""
     p, r = comm.size, comm.rank
     mine = chunks[r]
-    scratch = torch.empty((p, mine.numel()), dtype=mine.dtype)
+    scratch = comm.scratch(p * mine.numel(), mine.dtype).view(p, mine.numel())
     transfers = [comm.recv(peer, scratch[peer]) for peer in range(p) if peer != r]
     transfers += [comm.send(peer, chunks[peer]) for peer in range(p) if peer != r]
     scratch[r].copy_(mine)
