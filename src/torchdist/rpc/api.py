@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .._auth import resolve_secret
 from .._store import PrefixStore
 from .._store.rendezvous import rendezvous
 from ..errors import DistError
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from .rref import RRef  # imported at call time: rref imports this module
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT
 from .dispatch import RequestKind, RpcCodec, handle_request
-from .handshake import authenticate, job_secret
+from .handshake import authenticate
 from .options import (DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
                       TensorPipeRpcBackendOptions, WorkerInfo, validate_worker_name)
 
@@ -152,7 +153,7 @@ def _start_static(name: str, rank: int, world_size: int, options: TensorPipeRpcB
     sockets = connect_mesh(store, rank, world_size, store_timeout.total_seconds(), list(range(world_size)),
                            f"rpc agent {name}")
     try:
-        secret = job_secret()
+        secret = resolve_secret()  # $TORCHDIST_SECRET; None: the job runs without one
         for peer in sorted(sockets):  # one global order of pairs: handshakes cannot wait in a cycle
             initiator = rank > peer  # connect_mesh: the higher rank of a pair dials
             authenticate(sockets[peer], initiator, repr(workers[peer]), secret, store_timeout.total_seconds())
@@ -176,7 +177,7 @@ def _join_dynamic(name: str, rank: int, options: TensorPipeRpcBackendOptions, ti
     runtime = _Runtime(me, timeout, None)
     runtime.store = store
     runtime.membership = group = membership.Membership(store, me, store_timeout.total_seconds())
-    secret = job_secret()
+    secret = resolve_secret()  # $TORCHDIST_SECRET; None: the job runs without one
     with group.token("join"):
         members = group.claim()
         try:

@@ -25,20 +25,14 @@ from __future__ import annotations
 import socket
 import struct
 
-from .._auth import NONCE_BYTES, PROOF_BYTES, SECRET_ENV, AuthenticationError, ClientHandshake, \
-    ServerHandshake, resolve_secret
+from .._auth import NONCE_BYTES, PROOF_BYTES, SECRET_ENV, AuthenticationError, ClientHandshake, ServerHandshake
 from ..errors import DistNetworkError
 
-__all__ = ["SECRET_ENV", "job_secret", "authenticate", "recv_exact"]
+__all__ = ["SECRET_ENV", "authenticate", "recv_exact"]
 
 _HELLO = struct.Struct("<8sHB")
 _MAGIC = b"TDRPC\x00\x00\x01"
 _VERSION = 1
-
-
-def job_secret() -> bytes | None:
-    """The job secret (``$TORCHDIST_SECRET``), or None when the job runs without one."""
-    return resolve_secret()
 
 
 def recv_exact(sock: socket.socket, n: int, during: str = "during the RPC handshake") -> bytes:
