@@ -326,6 +326,37 @@ def test_mismatched_collectives_raise_on_every_rank(case: str, words: list[str])
         assert "rank 0" in message and "rank 1" in message, message
 
 
+def _other_op_from_other_peers(rank: int, world: int, late_rank: int) -> tuple[str, float]:
+    """Rank 0 broadcasts from rank 3 while the others all-reduce (recursive doubling): rank 0
+    waits for its tree parent and gets the others' all-reduce messages; they wait for rank
+    0's. ``late_rank`` starts last: rank 0 (the messages are parked when it posts its
+    receive) or rank 1 (rank 0 has posted it when they arrive)."""
+    backend = _backend(rank, world, timeout=20)
+    backend.allreduce([torch.ones(4)], ReduceOp.SUM).wait()
+    if rank == late_rank:
+        time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            backend.broadcast(torch.ones(2), 3).wait()
+        else:
+            backend.allreduce([torch.ones(2)], ReduceOp.SUM).wait()
+    except DistBackendError as exc:
+        backend.shutdown()
+        return str(exc), time.monotonic() - start
+    raise AssertionError(f"rank {rank}: the mismatched collective did not raise")
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_a_message_of_another_op_from_a_peer_nobody_waits_on_is_a_mismatch(late_rank: int) -> None:
+    """Not a wait for the timeout: the message contradicts what this rank waits for from
+    another peer (same sequence number, another op), so the ranks disagree."""
+    for message, elapsed in run_ranks(_other_op_from_other_peers, 4, args=(late_rank,), timeout=60):
+        assert elapsed < 5, message
+        assert "collective mismatch at sequence number 1" in message, message
+        assert "BROADCAST" in message and "ALLREDUCE" in message, message
+
+
 def _killed(rank: int, world: int) -> tuple[str, float]:
     backend = _backend(rank, world, timeout=30)
     backend.barrier().wait()

@@ -10,6 +10,10 @@ Rules (the same for TCP, loopback and shared memory):
   transport *parks* that peer (stops reading it, so the data waits in the
   kernel and the sender is throttled) until a receive is posted. Only when the
   peer hangs up does the transport drain parked messages into ``coll_early``.
+  Unless it *contradicts* a receive posted for another peer (:func:`contradicts`):
+  of the same op with another fingerprint, or of an op this rank has finished.
+  Then the ranks disagree, and waiting would only end at the timeout: the
+  receiver may expect nothing from that peer, and the peer something from it.
 - P2P messages match the oldest posted P2P receive with the same tag whose source
   is the sender or "any". Unmatched ones are kept whole in arrival order
   (``p2p_early``), so they are never mistaken for collective traffic and later
@@ -20,12 +24,14 @@ Rules (the same for TCP, loopback and shared memory):
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterable
 
 from ..errors import DistBackendError
 from .base import Transfer
 from .framing import Header, MsgKind
 
-__all__ = ["Matcher", "mismatch_error", "check_match", "KIND", "SEQ", "TAG", "NBYTES"]
+__all__ = ["Matcher", "mismatch_error", "check_match", "contradicts", "contradiction_error", "refuse_parked",
+           "KIND", "SEQ", "TAG", "NBYTES"]
 
 # Positions in a header's field tuple (see framing.HEADER).
 KIND, SEQ, TAG, NBYTES = 0, 5, 6, 8
@@ -44,6 +50,17 @@ def mismatch_error(label: str, me: str, mine: Transfer, peer: str, header: Heade
         f"{label}: collective mismatch at sequence number {mine.seq}: {detail}. Every rank must call the "
         "same collectives, in the same order, with the same dtype, element count, root and reduce op."
     )
+
+
+def contradicts(transfer: Transfer, header: tuple) -> bool:
+    """Whether the COLL message ``header`` from one peer shows that its sender is in
+    another op than the COLL receive ``transfer`` posted for another peer: the same
+    sequence number with another fingerprint (kind, dtype, count, root, reduce op;
+    byte counts may differ between peers), or an earlier sequence number (an op
+    this rank finished without needing the message)."""
+    key = transfer.key
+    return header[SEQ] < key[SEQ] or (header[SEQ] == key[SEQ] and (header[1:SEQ] != key[1:SEQ]
+                                                                   or header[7] != key[7]))
 
 
 class Matcher:
@@ -96,6 +113,14 @@ class Matcher:
                 return transfer
         return None
 
+    def contradicted(self, header: tuple) -> Transfer | None:
+        """A posted COLL receive that the unmatched COLL message ``header`` contradicts."""
+        for queue in self.coll_posted:
+            for transfer in queue:
+                if contradicts(transfer, header):
+                    return transfer
+        return None
+
     def pending(self) -> bool:
         return bool(self.p2p_posted) or any(self.coll_posted)
 
@@ -132,6 +157,22 @@ def check_match(label: str, names: list[int], rank: int, transfer: Transfer, pee
         # (the rest of the tensor keeps its values); the transfer shrinks to the message.
         transfer.view = transfer.view[:header[NBYTES]]
         transfer.nbytes = header[NBYTES]
+
+
+def contradiction_error(transport, transfer: Transfer, peer: int, header: tuple) -> DistBackendError:
+    """The mismatch error for a message from ``peer`` that contradicts ``transfer`` (a TCP
+    or shared-memory transport: ``label``, ``names``, ``rank``)."""
+    return mismatch_error(transport.label, str(transport.names[transport.rank]), transfer,
+                          str(transport.names[peer]), Header.from_fields(header))
+
+
+def refuse_parked(transport, transfer: Transfer, parked: Iterable[tuple[int, tuple]]) -> None:
+    """When COLL receive ``transfer`` is posted: if a message parked before it, ``(peer,
+    header)``, contradicts it, break ``transport`` and raise (it fails ``transfer`` too)."""
+    for peer, header in parked:
+        if peer != transfer.peer and contradicts(transfer, header):
+            transport.fail(contradiction_error(transport, transfer, peer, header))
+            raise transport.error
 
 
 def deliver_early(transport, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:

@@ -40,7 +40,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early
+from .matching import KIND, NBYTES, TAG, Matcher, check_match, contradiction_error, deliver_early, refuse_parked
 from .shm_board import BLOCK_S, Board
 from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
@@ -176,6 +176,8 @@ class ShmTransport(Transport):
                 raise transfer.error
         elif kind == MsgKind.COLL:
             channel = self._in[peer]
+            refuse_parked(self, transfer, ((c.peer, c.parked) for c in self._in
+                                           if c is not None and c.parked is not None))
             if channel.parked is not None:  # the peer's message was waiting for this receive
                 header, channel.parked = channel.parked, None
                 self._dispatch(channel, header)
@@ -358,6 +360,11 @@ class ShmTransport(Transport):
                 raw = bytearray(_HSIZE)
                 self._take(channel, memoryview(raw), _HSIZE)
                 header = HEADER.unpack(raw)
+                if header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]:
+                    clash = self._matcher.contradicted(header)
+                    if clash is not None:  # not ahead: in another op (see matching)
+                        self.fail(contradiction_error(self, clash, channel.peer, header))
+                        break
                 if (header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]
                         and not self._matcher.p2p_waits_on(channel.peer)):
                     channel.parked = header  # the peer is ahead: leave its payload in the ring

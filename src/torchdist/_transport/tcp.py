@@ -46,7 +46,8 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early
+from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, contradiction_error, deliver_early,
+                       refuse_parked)
 
 __all__ = ["TcpTransport"]
 
@@ -156,14 +157,17 @@ class TcpTransport(Transport):
         elif not self._channels[peer].alive:
             self._need(self._channels[peer])  # nothing buffered will ever satisfy it
             raise self._error
-        elif self._channels[peer].parked is not None:
+        else:
             channel = self._channels[peer]
-            if kind == MsgKind.COLL:  # the peer's message was waiting for a receive
-                header, channel.parked = channel.parked, None
-                self._set_mask(channel)
-                self._dispatch(channel, header)  # matches the receive just posted
-                self._read(channel)
-            else:
+            if kind == MsgKind.COLL:
+                refuse_parked(self, transfer, ((c.peer, c.parked) for c in self._channels
+                                               if c is not None and c.parked is not None))
+                if channel.parked is not None:  # the peer's message was waiting for a receive
+                    header, channel.parked = channel.parked, None
+                    self._set_mask(channel)
+                    self._dispatch(channel, header)  # matches the receive just posted
+                    self._read(channel)
+            elif channel.parked is not None:
                 self._unpark(channel)
         return transfer
 
@@ -364,6 +368,11 @@ class TcpTransport(Transport):
             channel.heard_seq, channel.heard_at = header[SEQ], time.monotonic()  # see wait()
         target = self._matcher.match(channel.peer, header)
         if target is None:
+            if kind == MsgKind.COLL:
+                clash = self._matcher.contradicted(header)
+                if clash is not None:  # not ahead: in another op (see matching)
+                    self.fail(contradiction_error(self, clash, channel.peer, header))
+                    return
             if kind == MsgKind.COLL and not channel.draining and not self._matcher.p2p_waits_on(channel.peer):
                 channel.parked = header  # the peer is ahead: leave its data in the kernel
                 self._set_mask(channel)
@@ -407,8 +416,10 @@ class TcpTransport(Transport):
             if header[KIND] == MsgKind.ABORT:
                 reason = bytes(transfer.view).decode("utf-8", "replace")
                 self._read_the_others(peer)
+                # Passed on (notify): a peer that hears of the break from us, before our
+                # socket closes, learns its cause instead of only that we went away.
                 self.fail(DistBackendError(f"{self.label}: rank {self.names[self.rank]}: the group was "
-                                           f"aborted by rank {self.names[peer]}: {reason}"), notify=False)
+                                           f"aborted by rank {self.names[peer]}: {reason}"))
                 return
             # A receive posted while this payload streamed in found it neither among the
             # early messages nor as a new header: it takes the message now.
