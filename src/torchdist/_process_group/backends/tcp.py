@@ -224,7 +224,8 @@ class TcpBackend(ProcessGroupBackend):
             names = [self.global_ranks[p] for p in exc.peers if p not in exc.joined]
             joined = [self.global_ranks[p] for p in exc.joined]
             if names:
-                what = f"ranks {names} did not arrive (they have not sent what this rank waits for)"
+                what = (f"ranks {names} did not arrive (they have not sent what this rank waits for; if they "
+                        "did arrive, they wait on a rank that did not, and their own errors name it)")
                 if joined:
                     what += f"; ranks {joined} joined it and are probably waiting on them"
             else:
