@@ -101,22 +101,33 @@ def test_node_killed_under_elastic_nnodes_job_continues(tmp_path, two_namespaces
     assert_no_orphans(b_workers + [r["pid"] for r in records(tmp_path)])
 
 
-def test_default_backend_spans_two_namespaces(tmp_path, two_namespaces):
-    """Two "hosts" (namespaces, each with its own mount namespace too) of two ranks each:
-    the default backend is the hierarchical one, its TCP mesh reaches across the veth
-    pair, and every collective's values are right on every rank."""
-    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+def _start_two_nodes(namespaces, nproc: int, rdzv_id: str, *args: str) -> tuple[Launcher, Launcher]:
+    """``torchdist-run`` in each namespace: one job of two nodes, ``nproc`` workers each."""
+    (ns_a, addr_a), (ns_b, addr_b) = namespaces
+    common = ["--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"{addr_a}:29400", "--rdzv-id", rdzv_id, "--max-restarts", "0"]
     env = clean_env(TORCHDIST_SECRET="netns-test-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"{addr_a}:29400", "--rdzv-id", "netns-hosts"]
-    node_a = Launcher(*common, "--local-addr", addr_a, WORKER, "hosts", str(tmp_path), env=env, netns=ns_a)
-    node_b = Launcher(*common, "--local-addr", addr_b, WORKER, "hosts", str(tmp_path), env=env, netns=ns_b)
+    return (Launcher(*common, "--local-addr", addr_a, *args, env=env, netns=ns_a),
+            Launcher(*common, "--local-addr", addr_b, *args, env=env, netns=ns_b))
+
+
+def _run_two_nodes(namespaces, nproc: int, rdzv_id: str, *args: str, timeout: float = 60) -> str:
+    """Run the job to its end on both nodes (both must succeed); node A's stdout."""
+    node_a, node_b = _start_two_nodes(namespaces, nproc, rdzv_id, *args)
     try:
-        done_a, done_b = node_a.finish(60), node_b.finish(60)
+        done_a, done_b = node_a.finish(timeout), node_b.finish(timeout)
     finally:
         node_a.kill(), node_b.kill()
     assert done_a.returncode == 0, done_a.stderr
     assert done_b.returncode == 0, done_b.stderr
+    return done_a.stdout
+
+
+def test_default_backend_spans_two_namespaces(tmp_path, two_namespaces):
+    """Two "hosts" (namespaces, each with its own mount namespace too) of two ranks each:
+    the default backend is the hierarchical one, its TCP mesh reaches across the veth
+    pair, and every collective's values are right on every rank."""
+    _run_two_nodes(two_namespaces, 2, "netns-hosts", WORKER, "hosts", str(tmp_path))
     results = records(tmp_path, "hosts*.json")
     assert len(results) == 4
     world, big = 4, (1 << 18) + 5
@@ -133,14 +144,10 @@ def test_a_cut_link_between_hosts_raises_on_every_rank_within_the_timeout(tmp_pa
     """The hosts stay up but the link between them goes down (no reset, no close: a
     partition): every rank's all-reduce raises a DistError near the group's timeout,
     naming the op, instead of waiting for ever."""
-    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
+    ns_b = two_namespaces[1][0]
     timeout_s = 4.0
-    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"{addr_a}:29400", "--rdzv-id", "netns-cut", "--max-restarts", "0"]
-    args = (WORKER, "partition", str(tmp_path), str(timeout_s))
-    node_a = Launcher(*common, "--local-addr", addr_a, *args, env=env, netns=ns_a)
-    node_b = Launcher(*common, "--local-addr", addr_b, *args, env=env, netns=ns_b)
+    node_a, node_b = _start_two_nodes(two_namespaces, 2, "netns-cut", WORKER, "partition", str(tmp_path),
+                                      str(timeout_s))
     try:
         wait_for(lambda: len(records(tmp_path, "ready*.json")) == 4, 40, "the four ranks to form the group")
         veth_b = _ip("-n", ns_b, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
@@ -159,18 +166,7 @@ def test_a_cut_link_between_hosts_raises_on_every_rank_within_the_timeout(tmp_pa
 def test_rpc_across_two_namespaces(tmp_path, two_namespaces):
     """One RPC worker per "host": calls, an RRef and a distributed backward cross the
     veth pair, and the same-host upgrade (Unix sockets) is not taken between hosts."""
-    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
-    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"{addr_a}:29400", "--rdzv-id", "netns-rpc"]
-    node_a = Launcher(*common, "--local-addr", addr_a, WORKER, "rpc", str(tmp_path), env=env, netns=ns_a)
-    node_b = Launcher(*common, "--local-addr", addr_b, WORKER, "rpc", str(tmp_path), env=env, netns=ns_b)
-    try:
-        done_a, done_b = node_a.finish(60), node_b.finish(60)
-    finally:
-        node_a.kill(), node_b.kill()
-    assert done_a.returncode == 0, done_a.stderr
-    assert done_b.returncode == 0, done_b.stderr
+    _run_two_nodes(two_namespaces, 1, "netns-rpc", WORKER, "rpc", str(tmp_path))
     results = records(tmp_path, "rpc*.json")
     assert [r["added"] for r in results] == [[1.0] * 3, [2.0] * 3]
     for result in results:
@@ -182,23 +178,12 @@ def test_rpc_across_two_namespaces(tmp_path, two_namespaces):
 def test_the_main_job_trains_across_two_namespaces(tmp_path, two_namespaces):
     """examples/ddp_digits.py on two "hosts" of two ranks each (hierarchical all-reduce
     over the veth pair): it trains, and rank 0 saves the checkpoint."""
-    (ns_a, addr_a), (ns_b, addr_b) = two_namespaces
     example = str(Path(__file__).parents[2] / "examples" / "ddp_digits.py")
     checkpoint = tmp_path / "digits.pt"
-    env = clean_env(TORCHDIST_SECRET="netns-test-secret")
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"{addr_a}:29400", "--rdzv-id", "netns-ddp"]
-    args = (example, "--epochs", "2", "--no-progress", "--checkpoint", str(checkpoint))
-    node_a = Launcher(*common, "--local-addr", addr_a, *args, env=env, netns=ns_a)
-    node_b = Launcher(*common, "--local-addr", addr_b, *args, env=env, netns=ns_b)
-    try:
-        done_a, done_b = node_a.finish(80), node_b.finish(80)
-    finally:
-        node_a.kill(), node_b.kill()
-    assert done_a.returncode == 0, done_a.stderr
-    assert done_b.returncode == 0, done_b.stderr
-    assert "4 ranks" in done_a.stdout
-    final = next(line for line in done_a.stdout.splitlines() if line.startswith("final test accuracy"))
+    stdout = _run_two_nodes(two_namespaces, 2, "netns-ddp", example, "--epochs", "2", "--no-progress",
+                            "--checkpoint", str(checkpoint), timeout=80)
+    assert "4 ranks" in stdout
+    final = next(line for line in stdout.splitlines() if line.startswith("final test accuracy"))
     assert "identical on all 4 ranks: True" in final
     assert float(final.split()[3]) > 0.2  # ten classes: better than guessing after two epochs
     assert checkpoint.exists()

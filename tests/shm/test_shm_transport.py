@@ -160,28 +160,37 @@ def test_a_step_published_before_a_break_still_completes() -> None:
             t.close()
 
 
-def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed():
+def _setup_with_a_published_peer(timeout: float, names: list[int], label: str):
+    """Rank 0 connects (in a thread) to a group of 2 whose rank 1 only creates and publishes
+    its segment, as a rank does first; returns (rank 0's outcome, its thread, rank 1's
+    segment, the start time). What rank 1 does next is the caller's."""
     from torchdist._transport.shm import CHUNK_BYTES, RING_BYTES
     from torchdist._transport.shm_board import Layout
     from torchdist._transport.shm_segment import Segment
-    from torchdist.errors import DistNetworkError
 
     store = HashStore()
     outcome: dict = {}
 
     def rank0() -> None:
         try:
-            outcome["transport"] = ShmTransport.connect(store, 0, 2, 30.0, [0, 1], "setup")
-        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome["transport"] = ShmTransport.connect(store, 0, 2, timeout, names, label)
+        except Exception as exc:  # noqa: BLE001 - inspected by the caller
             outcome["error"] = exc
     thread = threading.Thread(target=rank0, daemon=True)
     start = time.monotonic()
     thread.start()
-    # Rank 1 creates and publishes its segment, then dies (as under SIGKILL: lock gone, name left)
-    # before it has mapped rank 0's and arrived.
     store.wait(["shm/segment/0"])
     segment = Segment.create(Layout(2, RING_BYTES, CHUNK_BYTES).total, 1, "setup")
     store.set("shm/segment/1", segment.path)
+    return outcome, thread, segment, start
+
+
+def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed():
+    from torchdist.errors import DistNetworkError
+
+    outcome, thread, segment, start = _setup_with_a_published_peer(30.0, [0, 1], "setup")
+    # Rank 1 dies (as under SIGKILL: lock gone, name left) before it has mapped rank 0's
+    # segment and arrived.
     segment.drop_lock()
     thread.join(30)
     assert isinstance(outcome.get("error"), DistNetworkError), outcome
@@ -194,26 +203,10 @@ def test_a_rank_that_dies_during_setup_is_named_at_once_and_its_segment_removed(
 def test_a_rank_that_stalls_during_setup_is_named_at_the_timeout():
     """Alive but not arriving: the error comes at the timeout asked for, names the group,
     this rank and the missing one as the user knows them (global ranks 5 and 7 here)."""
-    from torchdist._transport.shm import CHUNK_BYTES, RING_BYTES
-    from torchdist._transport.shm_board import Layout
-    from torchdist._transport.shm_segment import Segment
     from torchdist.errors import DistStoreError
 
-    store = HashStore()
-    outcome: dict = {}
-
-    def rank0() -> None:
-        try:
-            outcome["transport"] = ShmTransport.connect(store, 0, 2, 1.2, [5, 7], "group 'g'")
-        except Exception as exc:  # noqa: BLE001 - inspected below
-            outcome["error"] = exc
-    thread = threading.Thread(target=rank0, daemon=True)
-    start = time.monotonic()
-    thread.start()
-    store.wait(["shm/segment/0"])
-    segment = Segment.create(Layout(2, RING_BYTES, CHUNK_BYTES).total, 1, "setup")
-    store.set("shm/segment/1", segment.path)  # published and alive (holds its lock), never arrives
-    try:
+    outcome, thread, segment, start = _setup_with_a_published_peer(1.2, [5, 7], "group 'g'")
+    try:  # rank 1 stays alive (holds its lock) and never arrives
         thread.join(30)
         took = time.monotonic() - start
         error = outcome.get("error")
