@@ -30,7 +30,7 @@ from ..errors import DistBackendError
 from .base import Transfer
 from .framing import Header, MsgKind
 
-__all__ = ["Matcher", "mismatch_error", "check_match", "contradicts", "contradiction_error", "refuse_parked",
+__all__ = ["Matcher", "mismatch_error", "check_match", "contradicts", "refuse_contradicting", "refuse_parked",
            "KIND", "SEQ", "TAG", "NBYTES"]
 
 # Positions in a header's field tuple (see framing.HEADER).
@@ -159,11 +159,19 @@ def check_match(label: str, names: list[int], rank: int, transfer: Transfer, pee
         transfer.nbytes = header[NBYTES]
 
 
-def contradiction_error(transport, transfer: Transfer, peer: int, header: tuple) -> DistBackendError:
-    """The mismatch error for a message from ``peer`` that contradicts ``transfer`` (a TCP
-    or shared-memory transport: ``label``, ``names``, ``rank``)."""
+def _contradiction_error(transport, transfer: Transfer, peer: int, header: tuple) -> DistBackendError:
     return mismatch_error(transport.label, str(transport.names[transport.rank]), transfer,
                           str(transport.names[peer]), Header.from_fields(header))
+
+
+def refuse_contradicting(transport, matcher: Matcher, peer: int, header: tuple) -> bool:
+    """When a COLL message from ``peer`` finds no receive posted for it: if it contradicts
+    one posted for another peer, break ``transport`` (a TCP or shared-memory transport:
+    ``label``, ``names``, ``rank``, ``fail``) and return True."""
+    clash = matcher.contradicted(header)
+    if clash is not None:
+        transport.fail(_contradiction_error(transport, clash, peer, header))
+    return clash is not None
 
 
 def refuse_parked(transport, transfer: Transfer, parked: Iterable[tuple[int, tuple]]) -> None:
@@ -171,7 +179,7 @@ def refuse_parked(transport, transfer: Transfer, parked: Iterable[tuple[int, tup
     header)``, contradicts it, break ``transport`` and raise (it fails ``transfer`` too)."""
     for peer, header in parked:
         if peer != transfer.peer and contradicts(transfer, header):
-            transport.fail(contradiction_error(transport, transfer, peer, header))
+            transport.fail(_contradiction_error(transport, transfer, peer, header))
             raise transport.error
 
 

@@ -40,7 +40,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, TAG, Matcher, check_match, contradiction_error, deliver_early, refuse_parked
+from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early, refuse_contradicting, refuse_parked
 from .shm_board import BLOCK_S, Board
 from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
@@ -361,14 +361,11 @@ class ShmTransport(Transport):
                 self._take(channel, memoryview(raw), _HSIZE)
                 header = HEADER.unpack(raw)
                 if header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]:
-                    clash = self._matcher.contradicted(header)
-                    if clash is not None:  # not ahead: in another op (see matching)
-                        self.fail(contradiction_error(self, clash, channel.peer, header))
+                    if refuse_contradicting(self, self._matcher, channel.peer, header):
+                        break  # not ahead: in another op (see matching)
+                    if not self._matcher.p2p_waits_on(channel.peer):
+                        channel.parked = header  # the peer is ahead: leave its payload in the ring
                         break
-                if (header[KIND] == MsgKind.COLL and not self._matcher.coll_posted[channel.peer]
-                        and not self._matcher.p2p_waits_on(channel.peer)):
-                    channel.parked = header  # the peer is ahead: leave its payload in the ring
-                    break
                 self._dispatch(channel, header)
                 continue
             if avail == 0:

@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, contradiction_error, deliver_early,
+from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early, refuse_contradicting,
                        refuse_parked)
 
 __all__ = ["TcpTransport"]
@@ -368,11 +368,8 @@ class TcpTransport(Transport):
             channel.heard_seq, channel.heard_at = header[SEQ], time.monotonic()  # see wait()
         target = self._matcher.match(channel.peer, header)
         if target is None:
-            if kind == MsgKind.COLL:
-                clash = self._matcher.contradicted(header)
-                if clash is not None:  # not ahead: in another op (see matching)
-                    self.fail(contradiction_error(self, clash, channel.peer, header))
-                    return
+            if kind == MsgKind.COLL and refuse_contradicting(self, self._matcher, channel.peer, header):
+                return  # not ahead: in another op (see matching)
             if kind == MsgKind.COLL and not channel.draining and not self._matcher.p2p_waits_on(channel.peer):
                 channel.parked = header  # the peer is ahead: leave its data in the kernel
                 self._set_mask(channel)
