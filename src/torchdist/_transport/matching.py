@@ -14,6 +14,8 @@ Rules (the same for TCP, loopback and shared memory):
   of the same op with another fingerprint, or of an op this rank has finished.
   Then the ranks disagree, and waiting would only end at the timeout: the
   receiver may expect nothing from that peer, and the peer something from it.
+  (TCP and shared memory check this; the loopback, a test double on which the
+  algorithms' tests run matched ops only, just parks.)
 - P2P messages match the oldest posted P2P receive with the same tag whose source
   is the sender or "any". Unmatched ones are kept whole in arrival order
   (``p2p_early``), so they are never mistaken for collective traffic and later
