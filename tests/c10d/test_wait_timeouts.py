@@ -112,3 +112,35 @@ def test_set_timeout_changes_the_timeout_of_later_ops(backend: str, world: int, 
     timeout (the backends kept the one they were created with)."""
     waited = run_ranks(_after_set_timeout, world, args=(simulate_hosts,), backend=backend, timeout=60)
     assert all(0.9 <= w < 3.0 for w in waited[:-1]), waited
+
+
+def _one_rank_stalls(rank: int, world: int, op: str):
+    dist.init_process_group("tcp", rank=rank, world_size=world, timeout=timedelta(seconds=2))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6.0)  # alive, but far behind: the others' collective times out without it
+        return None
+    if rank == 2:
+        time.sleep(0.3)  # rank 0 times out first, while rank 2 (which it waits on) still waits
+    start = time.monotonic()
+    with pytest.raises(DistBackendError) as info:
+        if op == "barrier":
+            dist.barrier()
+        else:
+            dist.all_to_all_single(torch.empty(4 << 10), torch.ones(4 << 10))
+    return str(info.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_to_all_single"])
+def test_every_waiter_names_the_stalled_rank_not_the_ranks_waiting_on_it(op: str) -> None:
+    """At world 4 rank 0's barrier waits on rank 2, which waits on rank 1 (dissemination):
+    rank 0 hears nothing from rank 2 in the op and, timing out first, named it (and its
+    ABORT told ranks 2 and 3 so). Timed-out ranks now tell each other whom they wait on
+    (WAITING notices), and every waiter follows the chain to rank 1."""
+    results = run_ranks(_one_rank_stalls, 4, args=(op,), timeout=60)
+    for rank, outcome in enumerate(results):
+        if rank == 1:
+            continue
+        message, elapsed = outcome
+        assert "ranks [1] did not arrive" in message, (rank, message)
+        assert 2.0 <= elapsed < 4.0, (rank, elapsed, message)

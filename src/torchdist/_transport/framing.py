@@ -48,6 +48,9 @@ class MsgKind(enum.IntEnum):
     COLL = 1
     P2P = 2
     ABORT = 3
+    #: A rank timed out in collective ``seq``: the payload lists the ranks it waits on
+    #: (int32 group ranks). Sent only on that slow path (``TcpTransport.wait``).
+    WAITING = 4
 
 
 class OpKind(enum.IntEnum):

@@ -25,9 +25,9 @@ Per peer (:class:`_Channel`):
 OS errors and EOF become :class:`DistNetworkError` here, naming the peer's rank;
 the first fatal error breaks the transport (see ``base.Transport``). A dead peer
 is fatal once something waits on it (``_need``); an any-source receive, once no
-peer is left (``_need_any``). A timeout where every rank still owing data has
-joined the op waits a little longer for their ABORT, which names the rank they
-wait on (see ``wait``).
+peer is left (``_need_any``). A collective that times out tells its peers whom
+it waits on (a WAITING notice) and waits a little longer for theirs, or their
+ABORT, to name the rank the chain of waits ends at (see ``wait``).
 
 (Longer than our usual module: the send path, the receive state machine and the
 failure handling share the per-channel state and are read together.)
@@ -35,6 +35,7 @@ failure handling share the per-channel state and are read together.)
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import select
@@ -104,6 +105,7 @@ class TcpTransport(Transport):
         self._matcher = Matcher(size)
         self._op_seq, self._op_start = -1, 0.0  # the latest collective waited on, since when
         self._sweeping = False  # inside _read_the_others
+        self._waiting: dict[int, tuple[int, list[int]]] = {}  # peer -> its last WAITING: (seq, ranks)
         self._channels: list[_Channel | None] = [None] * size
         self._by_fd: dict[int, _Channel] = {}
         self._poller = select.poll()
@@ -191,15 +193,24 @@ class TcpTransport(Transport):
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     peers, joined = self._owing(transfers)
-                    if joined and joined == peers and not extended:
-                        # Every rank we wait on joined this collective, so each waits on yet
-                        # another rank (in a ring, on its own left neighbour): naming them
-                        # would blame the wrong rank. Each started the op before we heard
-                        # from it, so its deadline is at most (heard_at - our start) after
-                        # ours: wait that long, plus slack, for its ABORT, which names the
-                        # rank it waited on. If none comes, time out naming them after all.
-                        latest = max(self._channels[p].heard_at for p in joined)
-                        deadline += max(0.0, latest - self._op_start) + _ABORT_SLACK_S
+                    collective = transfers[0].kind is MsgKind.COLL
+                    if not extended and (collective or (joined and joined == peers)):
+                        # The ranks we wait on may be waiting themselves (in a ring, each on
+                        # its own left neighbour): naming them would blame the wrong rank.
+                        # Tell every peer whom we wait on, and give them slack to time out
+                        # in turn and tell us (or ABORT, naming whom they waited on): then
+                        # ``_culprits`` follows the chain. A rank that joined started the op
+                        # before we heard from it, so its deadline is at most (heard_at -
+                        # our start) after ours: that, plus the full slack, if all did.
+                        # Otherwise at most a quarter of the timeout (a 0.5 s barrier
+                        # timeout stays well under a second).
+                        if collective:
+                            self._tell_waiting(transfers[0].seq, peers)
+                        if joined and joined == peers:
+                            latest = max(self._channels[p].heard_at for p in joined)
+                            deadline += max(0.0, latest - self._op_start) + _ABORT_SLACK_S
+                        else:
+                            deadline += min(_ABORT_SLACK_S, 0.25 * (deadline - self._op_start))
                         extended = True
                         continue
                     raise self._timeout(peers, joined, transfers[0].seq)
@@ -223,8 +234,36 @@ class TcpTransport(Transport):
                          if t.kind is MsgKind.COLL and self._channels[t.peer].heard_seq >= t.seq})
         return peers, joined
 
+    def _tell_waiting(self, seq: int, peers: list[int]) -> None:
+        """Send every live peer a WAITING notice: in collective ``seq`` we wait on ``peers``."""
+        payload = memoryview(array.array("i", peers).tobytes())
+        for channel in self._channels:
+            if channel is not None and channel.alive:
+                self.isend(channel.peer, MsgKind.WAITING, seq, OpFingerprint(), payload)
+
+    def _culprits(self, seq: int, suspects: list[int]) -> tuple[list[int], list[int]]:
+        """Follow the WAITING notices of collective ``seq`` from ``suspects``: the ranks at
+        the ends of the chains (they sent none: not in the op, or stalled), and the ranks
+        on the way (they wait themselves)."""
+        culprits, waiting, frontier = set(), set(), list(suspects)
+        while frontier:
+            p = frontier.pop()
+            if p in culprits or p in waiting or p == self.rank:
+                continue
+            notice = self._waiting.get(p)
+            if notice is not None and notice[0] == seq:
+                waiting.add(p)
+                frontier.extend(notice[1])
+            else:
+                culprits.add(p)
+        return sorted(culprits) or list(suspects), sorted(waiting)
+
     def _timeout(self, peers: list[int], joined: list[int], seq: int) -> PeerTimeout:
-        # Ranks that joined the op are waiting themselves: blame the others if there are any.
+        # Ranks that joined the op, or told us they wait, are waiting themselves: blame the
+        # ranks their chains end at, if there are any.
+        suspects, waiting = self._culprits(seq, [p for p in peers if p not in joined] or peers)
+        if waiting:
+            peers, joined = sorted(set(peers) | set(suspects)), sorted(set(joined) | set(waiting))
         suspects = [p for p in peers if p not in joined] or peers
         message = f"{self.label}: timed out waiting for ranks {[self.names[p] for p in suspects]}"
         if joined:
@@ -361,7 +400,7 @@ class TcpTransport(Transport):
 
     def _dispatch(self, channel: _Channel, header: tuple) -> None:
         kind = header[KIND]
-        if kind == MsgKind.ABORT:
+        if kind == MsgKind.ABORT or kind == MsgKind.WAITING:
             self._begin_payload(channel, header)
             return
         if kind == MsgKind.COLL and header[SEQ] != channel.heard_seq:
@@ -410,6 +449,9 @@ class TcpTransport(Transport):
 
     def _early_done(self, peer: int, header: tuple) -> Callable[[Transfer], None]:
         def done(transfer: Transfer) -> None:
+            if header[KIND] == MsgKind.WAITING:
+                self._waiting[peer] = (header[SEQ], array.array("i", bytes(transfer.view)).tolist())
+                return
             if header[KIND] == MsgKind.ABORT:
                 reason = bytes(transfer.view).decode("utf-8", "replace")
                 self._read_the_others(peer)
