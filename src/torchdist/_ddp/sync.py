@@ -61,10 +61,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group,
             del open_chunks[t.dtype]
     chunks.extend(chunk for chunk, _ in open_chunks.values())
     for chunk in chunks:
-        with torch.no_grad():
-            if len(chunk) == 1 and chunk[0].is_contiguous():
-                broadcast(chunk[0].data, group_src=src, group=group)
-                continue
+        with torch.no_grad():  # a lone contiguous tensor is broadcast in place (flatten's view)
             flat = flatten([t.detach() for t in chunk])
             broadcast(flat, group_src=src, group=group)
             unflatten_into(flat, [t.data for t in chunk])
