@@ -91,7 +91,7 @@ def test_backend_names():
             dist.BackendConfig(bad)
 
 
-@pytest.mark.parametrize("name, what", [("nccl", "NCCL"), ("mpi", "MPI"), ("ucc", "UCC"), ("xccl", "XCCL")])
+@pytest.mark.parametrize("name, what", [("nccl", "NCCL"), ("ucc", "UCC"), ("xccl", "XCCL")])
 def test_pytorchs_backends_that_torchdist_lacks_raise_runtime_error(name, what):
     """As a PyTorch built without them ("Distributed package doesn't have NCCL built in"),
     and the failed init leaves nothing behind: a later init works."""

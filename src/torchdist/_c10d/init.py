@@ -89,6 +89,11 @@ def init_process_group(
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0..{world_size - 1})")
         owns_store = False
+    elif backend == Backend.MPI:  # rank and size come from MPI, as with PyTorch (init_method is ignored)
+        from .._process_group.backends.mpi import rendezvous_over_mpi  # (imports mpi4py, which starts MPI)
+
+        store, rank, world_size = rendezvous_over_mpi(rank, world_size, timeout)
+        owns_store = True
     else:
         store, rank, world_size = _rendezvous(init_method or "env://", rank, world_size, timeout)
         owns_store = True

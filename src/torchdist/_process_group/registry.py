@@ -7,8 +7,9 @@ optional libraries); users add theirs with ``Backend.register_backend``.
 
 Names: ``"tcp"`` (sockets), ``"shm"`` (shared memory on one host), ``"auto"`` (the
 default CPU backend), ``"gloo"`` (an alias of the default, so unmodified scripts run),
-and PyTorch's other names (``"nccl"``, ``"mpi"``, ``"ucc"``, ``"xccl"``), which torchdist
-does not provide: asking for one raises a ``RuntimeError`` that says so, as a PyTorch built
+``"mpi"`` (MPI through mpi4py, where it is installed), and PyTorch's other names
+(``"nccl"``, ``"ucc"``, ``"xccl"``), which torchdist does not provide: asking for one (or
+for ``"mpi"`` without mpi4py) raises a ``RuntimeError`` that says so, as a PyTorch built
 without it does.
 """
 
@@ -28,6 +29,7 @@ _BUILTIN_CREATORS: dict[str, str] = {
     "tcp": "torchdist._process_group.backends.tcp:TcpBackend",
     "shm": "torchdist._process_group.backends.shm:ShmBackend",
     "auto": "torchdist._process_group.backends.auto:AutoBackend",
+    "mpi": "torchdist._process_group.backends.mpi:MpiBackend",
 }
 # Names that mean "the default CPU backend".
 _DEFAULT_ALIASES = ("auto", "gloo")
@@ -38,7 +40,6 @@ _custom_creators: dict[str, Callable] = {}
 # PyTorch's backends that torchdist does not provide: what each is, for the error.
 _NOT_BUILT_IN = {
     "nccl": "NCCL (collectives on NVIDIA GPUs)",
-    "mpi": "MPI",
     "ucc": "UCC",
     "xccl": "XCCL (collectives on Intel GPUs)",
 }
@@ -146,7 +147,10 @@ def is_nccl_available() -> bool:
 
 
 def is_mpi_available() -> bool:
-    return is_backend_available(Backend.MPI)
+    """Whether mpi4py is installed (checked without starting MPI)."""
+    from .backends.mpi import mpi_installed
+
+    return mpi_installed()
 
 
 def is_ucc_available() -> bool:
@@ -183,4 +187,7 @@ def backend_creator(name: str) -> Callable:
         raise ValueError(f"Invalid backend: {name!r}. Available backends: {known}, or register one "
                          "with Backend.register_backend")
     module_name, attribute = target.split(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    module = importlib.import_module(module_name)
+    if name == "mpi" and not module.mpi_installed():
+        module.load_mpi()  # raises: what is missing and what to install
+    return getattr(module, attribute)

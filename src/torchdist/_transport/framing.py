@@ -4,7 +4,8 @@ Vocabulary (used by every transport and by the algorithms):
 
 - *message*: one header plus ``nbytes`` of payload, sent to one peer;
 - *kind*: COLL (part of a collective), P2P (a send/recv), ABORT (the sender's
-  group is broken; the payload is the UTF-8 reason);
+  group is broken; the payload is the UTF-8 reason), and the notices WAITING and
+  LEFT (see ``MsgKind``);
 - *seq*: the group's collective sequence number (how many collectives the group
   ran before this one). P2P messages carry the seq current when they were sent
   but are not checked against it: point-to-point does not take part in
@@ -51,6 +52,9 @@ class MsgKind(enum.IntEnum):
     #: A rank timed out in collective ``seq``: the payload lists the ranks it waits on
     #: (int32 group ranks). Sent only on that slow path (``TcpTransport.wait``).
     WAITING = 4
+    #: The sender closed its transport; the payload says how many messages it sent us
+    #: (``MpiTransport``, whose peers see no hang-up).
+    LEFT = 5
 
 
 class OpKind(enum.IntEnum):
