@@ -11,8 +11,9 @@ checkpoint after every epoch; ``--resume`` continues from it.
     torchdist-run --nproc-per-node 2 examples/ddp_digits.py --epochs 15
     torchdist-run --nproc-per-node 2 examples/ddp_digits.py --epochs 20 --resume
 
-Any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT works,
-except ``torchrun``: its agent serves MASTER_PORT with PyTorch's own store,
+On a cluster that runs MPI, ``mpiexec -n 2 python examples/ddp_digits.py --backend mpi``
+(rank and world size then come from MPI). Any launcher that sets RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT works, except ``torchrun``: its agent serves MASTER_PORT with PyTorch's own store,
 which a torchdist program cannot use (it says so within seconds). Expected
 result: a test accuracy of about 0.97 after 15 epochs, the same on every rank.
 """
@@ -67,10 +68,12 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="ddp_digits.pt")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--backend", default="gloo",
+                        help="gloo (the default CPU backend, with env://) or mpi (under mpiexec)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group(args.backend)  # gloo: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); mpi: MPI
     rank, world_size = dist.get_rank(), dist.get_world_size()
     train, test = load_digits_split()
 

@@ -33,22 +33,26 @@ pytestmark = pytest.mark.skipif(not dist.is_mpi_available() or _mpiexec() is Non
                                 reason="needs mpi4py and mpiexec (pip install mpi4py mpich)")
 
 
-def _run(mode: str, ranks: int, out: Path, timeout: float = 90) -> list:
-    """Each rank's result of ``mpi_worker.MODE`` in a job of ``ranks`` processes (written under ``out``)."""
+def _launch(ranks: int, argv: list[str], timeout: float = 90) -> tuple[int, str]:
+    """Run ``python ARGV`` as an MPI job of ``ranks`` processes: (exit status, output)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([_mpiexec(), "-n", str(ranks), sys.executable, "-m", "tests.backends.mpi_worker", mode,
-                             str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([_mpiexec(), "-n", str(ranks), sys.executable, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"mpiexec -n {ranks} ({mode}) did not finish in {timeout} s; output:\n{output}")
+        pytest.fail(f"mpiexec -n {ranks} {' '.join(argv)} did not finish in {timeout} s; output:\n{output}")
+    return proc.returncode, output
+
+
+def _run(mode: str, ranks: int, out: Path) -> list:
+    """Each rank's result of ``mpi_worker.MODE`` in a job of ``ranks`` processes (written under ``out``)."""
+    status, output = _launch(ranks, ["-m", "tests.backends.mpi_worker", mode, str(out)])
     results = {int(path.stem): json.loads(path.read_text()) for path in out.glob("*.json")}
-    assert sorted(results) == list(range(ranks)), f"exit {proc.returncode}; output:\n{output}"
+    assert sorted(results) == list(range(ranks)), f"exit {status}; output:\n{output}"
     for rank, result in results.items():
         assert not (isinstance(result, dict) and "error" in result), f"rank {rank}:\n{result['error']}"
     return [results[rank] for rank in range(ranks)]
@@ -106,6 +110,14 @@ def test_a_rank_that_leaves_is_named_at_once(tmp_path):
     assert leaver == "left"
     seconds, rest = waiter.split("s ", 1)
     assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, waiter
+
+
+def test_the_main_job_trains_over_mpi(tmp_path):
+    status, output = _launch(2, [str(ROOT / "examples" / "ddp_digits.py"), "--backend", "mpi", "--epochs", "3",
+                                 "--no-progress", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=180)
+    assert status == 0, output
+    accuracy = float(output.split("final test accuracy: ")[1].split()[0])
+    assert accuracy > 0.7 and "identical on all 2 ranks: True" in output, output
 
 
 def _mpi_group_outside_mpiexec(rank, world_size):
