@@ -39,6 +39,11 @@ def battery() -> list[str]:
     dist.all_gather(outs, torch.full((n // 10,), rank, dtype=torch.int32))
     if any(not torch.all(o == r) for r, o in enumerate(outs)):
         wrong.append("large all_gather")
+    for n in (4096, 4097):  # 16384 bytes ride in the frame; 16388 travel as a message of their own
+        t = torch.full((n,), float(rank + 1))
+        dist.all_reduce(t)
+        if not torch.all(t == world * (world + 1) // 2):
+            wrong.append(f"all_reduce of {n} floats")
     strided = torch.arange(40.0).reshape(4, 10)[:, ::2] * (rank + 1)
     dist.all_reduce(strided)
     if not torch.equal(strided, torch.arange(40.0).reshape(4, 10)[:, ::2] * (world * (world + 1) // 2)):
@@ -68,6 +73,21 @@ def point_to_point() -> dict:
             dist.send(torch.ones(50_000), dst=0, tag=7)
             dist.send(torch.tensor([1.0, 2.0, 3.0]), dst=0, tag=8)
         dist.send(torch.tensor([float(rank)]), dst=0, tag=9)
+    # A receive larger than the message takes it into its leading elements (as gloo),
+    # on both sides of the inline size; an empty message.
+    if world > 1 and rank < 2:
+        peer = 1 - rank
+        for n in (3, 4097):
+            if rank == 0:
+                dist.send(torch.arange(float(n)), dst=peer, tag=n)
+            else:
+                into = torch.full((n + 10,), -1.0)
+                dist.recv(into, src=peer, tag=n)
+                got[f"larger recv {n}"] = [into[:n].sum().item(), into[n:].tolist()]
+        if rank == 0:
+            dist.send(torch.empty(0), dst=peer)
+        else:
+            dist.recv(torch.empty(0), src=peer)
     # A ring of isend/irecv (batch_isend_irecv), 20 KB each way.
     right, left = (rank + 1) % world, (rank - 1) % world
     out, into = torch.full((5000,), float(rank)), torch.empty(5000)
