@@ -179,7 +179,20 @@ def left() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
-MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, stall, left)}
+def crash() -> str:
+    """Rank 1 dies of an exception of its own (the interpreter exits through its exit
+    handlers) while rank 0 waits for it in a collective."""
+    if dist.get_rank() == 1:
+        raise SystemExit("rank 1: a bug in the training script")
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(2))
+        return "no error"
+    except dist.DistError as exc:
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+
+
+MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, stall, left, crash)}
 
 
 def main() -> None:
@@ -188,6 +201,8 @@ def main() -> None:
     rank = dist.get_rank()
     try:
         result = MODES[mode]()
+    except SystemExit:
+        raise
     except BaseException:  # noqa: BLE001 - reported to the test
         result = {"error": traceback.format_exc()}
     (out / f"{rank}.json").write_text(json.dumps(result))

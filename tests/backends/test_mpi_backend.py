@@ -114,6 +114,16 @@ def test_a_rank_that_leaves_is_named_at_once(tmp_path):
     assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, waiter
 
 
+def test_a_rank_that_dies_of_an_exception_is_named_at_once(tmp_path):
+    """It closes its groups on the way out (LEFT notices): without that, rank 0 waited
+    for its timeout, and rank 1 for rank 0 inside MPI_Finalize."""
+    status, output = _launch(2, ["-m", "tests.backends.mpi_worker", "crash", str(tmp_path)])
+    assert "a bug in the training script" in output
+    waiter = json.loads((tmp_path / "0.json").read_text())
+    seconds, rest = waiter.split("s ", 1)
+    assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, waiter
+
+
 def test_the_main_job_trains_over_mpi(tmp_path):
     status, output = _launch(2, [str(ROOT / "examples" / "ddp_digits.py"), "--backend", "mpi", "--epochs", "3",
                                  "--no-progress", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=180)

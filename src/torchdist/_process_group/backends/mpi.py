@@ -98,3 +98,12 @@ class MpiBackend(TcpBackend):
                 "`mpiexec -n N python ...` and call init_process_group('mpi').")
         comm = world.Create_group(world.Get_group().Incl(mpi_ranks))
         return MpiTransport(comm, self.global_ranks, self._label)
+
+    def quiesce(self) -> None:
+        """At exit, also close the transport. A process has no sockets for the OS to close:
+        peers waiting on it learn that it left only from its LEFT notices (else they
+        would wait for their timeout, and it for them inside MPI_Finalize, which mpi4py
+        calls after Python's exit handlers)."""
+        super().quiesce()
+        if os.getpid() == self._pid:
+            self._close(DistBackendError(f"{self._label}: {self._me()}: the process is exiting"), notify=False)
