@@ -163,3 +163,16 @@ def _premul_factors(rank, world):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_premul_sums_with_different_factors_are_different_reductions(backend):
     assert run_ranks(_premul_factors, 2, backend=backend, timeout=60) == [[4.0, 6.0, 1.0, 0.5]] * 2
+
+
+def _premul_reduce(rank, world):
+    t = torch.tensor([1.0, 2.0, 3.0])
+    dist.reduce(t, dst=0, op=dist.ReduceOp.PREMUL_SUM(2.0))
+    return t.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_premul_reduce_scales_a_copy_of_the_non_roots_input(backend):
+    """The root gets the scaled sum; every other rank's tensor is its own, unchanged (as
+    with any other reduce op): the factor is applied to a copy there."""
+    assert run_ranks(_premul_reduce, 3, backend=backend, timeout=60) == [[6.0, 12.0, 18.0]] + [[1.0, 2.0, 3.0]] * 2

@@ -308,8 +308,8 @@ class TcpBackend(ProcessGroupBackend):
 
         def run(comm: Comm) -> None:
             flat = tensor.view(-1)
-            if premul is not None:
-                flat.mul_(premul)
+            if premul is not None:  # in place only on the root: the others' tensor is theirs, read-only
+                flat = flat.mul_(premul) if comm.rank == root else flat * premul
             self._algorithms.reduce(comm, flat, root, combine)
             if is_avg and comm.rank == root:
                 average(flat, comm.size)
