@@ -149,6 +149,17 @@ def mismatch() -> list[str]:
     return errors
 
 
+def two_roots() -> str:
+    """Rank 0 broadcasts 400 KB from itself, the others from rank 1: ranks 0 and 1 only
+    send, and each finds the other's message contradicting its own send."""
+    start = time.monotonic()
+    try:
+        dist.broadcast(torch.ones(100_000), src=0 if dist.get_rank() == 0 else 1)
+        return "no error"
+    except dist.DistError as exc:
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+
+
 def stall() -> str:
     """The last rank sleeps past the group's timeout: the others raise at the timeout,
     naming it. Once back, it may finish that op (the others sent their part before they
@@ -192,7 +203,7 @@ def crash() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
-MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, stall, left, crash)}
+MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, two_roots, stall, left, crash)}
 
 
 def main() -> None:

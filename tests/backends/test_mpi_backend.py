@@ -98,6 +98,16 @@ def test_a_mismatch_raises_on_every_rank_naming_both_ops(tmp_path):
         assert "no error" not in second, errors
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_two_roots_of_one_broadcast_is_a_mismatch(ranks, tmp_path):
+    """Before, ranks that only send parked each other's message: every rank waited for the
+    timeout, and one of them blamed a rank that had arrived."""
+    for message in _run("two_roots", ranks, tmp_path):
+        seconds, rest = message.split("s ", 1)
+        assert float(seconds) < 10 and "collective mismatch at sequence number 0" in rest, message
+        assert "root=0" in rest and "root=1" in rest, message
+
+
 def test_a_stalled_rank_is_named_at_the_timeout(tmp_path):
     results = _run("stall", 3, tmp_path)
     for message in results[:2]:

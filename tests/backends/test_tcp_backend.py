@@ -357,6 +357,35 @@ def test_a_message_of_another_op_from_a_peer_nobody_waits_on_is_a_mismatch(late_
         assert "BROADCAST" in message and "ALLREDUCE" in message, message
 
 
+def _two_roots(rank: int, world: int, late_rank: int) -> tuple[str, float]:
+    """Rank 0 broadcasts 64 MB from itself, the others from rank 1: ranks 0 and 1 only
+    send (each parks the other's message, while its own send, larger than the socket
+    buffers can take, waits for room)."""
+    backend = _backend(rank, world, timeout=20)
+    if rank == late_rank:
+        time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        backend.broadcast(torch.ones(1 << 24), 0 if rank == 0 else 1).wait()
+    except DistBackendError as exc:
+        backend.shutdown()
+        return str(exc), time.monotonic() - start
+    raise AssertionError(f"rank {rank}: the mismatched broadcast did not raise")
+
+
+@pytest.mark.parametrize("world, late_rank", [(2, 0), (2, 1), (3, 1)])
+def test_two_ranks_that_both_broadcast_as_root_is_a_mismatch(world: int, late_rank: int) -> None:
+    """A message that contradicts a send still under way is a mismatch, at once, whether it
+    arrives before that send is posted (``late_rank``) or after (before: every rank waited
+    for the timeout). A rank that finds it mid-message cannot send the ABORT after the
+    message: its peer may learn only that it broke the group (the connection ends)."""
+    results = run_ranks(_two_roots, world, args=(late_rank,), timeout=60)
+    for message, elapsed in results:
+        assert elapsed < 5, message
+        assert "collective mismatch at sequence number 0" in message or "lost rank" in message, message
+    assert any("root=0" in message and "root=1" in message for message, _ in results), results
+
+
 def _killed(rank: int, world: int) -> tuple[str, float]:
     backend = _backend(rank, world, timeout=30)
     backend.barrier().wait()

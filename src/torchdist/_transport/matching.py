@@ -10,10 +10,13 @@ Rules (the same for TCP, loopback and shared memory):
   transport *parks* that peer (stops reading it, so the data waits in the
   kernel and the sender is throttled) until a receive is posted. Only when the
   peer hangs up does the transport drain parked messages into ``coll_early``.
-  Unless it *contradicts* a receive posted for another peer (:func:`contradicts`):
-  of the same op with another fingerprint, or of an op this rank has finished.
-  Then the ranks disagree, and waiting would only end at the timeout: the
-  receiver may expect nothing from that peer, and the peer something from it.
+  Unless it *contradicts* a receive posted for another peer, or a collective
+  send still under way (:func:`contradicts`): of the same op with another
+  fingerprint, or of an op this rank has finished. Then the ranks disagree, and
+  waiting would only end at the timeout: the receiver may expect nothing from
+  that peer, and the peer something from it. (A rank that only sends in an op,
+  such as a broadcast's root, posts no receive: two ranks that both believe they
+  are the root would each park the other's message while their large sends wait.)
   (TCP and shared memory check this; the loopback, a test double on which the
   algorithms' tests run matched ops only, just parks.)
 - P2P messages match the oldest posted P2P receive with the same tag whose source
@@ -166,21 +169,26 @@ def _contradiction_error(transport, transfer: Transfer, peer: int, header: tuple
                           str(transport.names[peer]), Header.from_fields(header))
 
 
-def refuse_contradicting(transport, matcher: Matcher, peer: int, header: tuple) -> bool:
+def refuse_contradicting(transport, matcher: Matcher, peer: int, header: tuple,
+                         sends: Iterable[Transfer] = ()) -> bool:
     """When a COLL message from ``peer`` finds no receive posted for it: if it contradicts
-    one posted for another peer, break ``transport`` (a TCP or shared-memory transport:
-    ``label``, ``names``, ``rank``, ``fail``) and return True."""
+    one posted for another peer, or one of the sends still under way, ``sends``, break
+    ``transport`` (``label``, ``names``, ``rank``, ``fail``) and return True."""
     clash = matcher.contradicted(header)
+    if clash is None:
+        clash = next((t for t in sends if t.kind is MsgKind.COLL and not t.done and contradicts(t, header)), None)
     if clash is not None:
         transport.fail(_contradiction_error(transport, clash, peer, header))
     return clash is not None
 
 
 def refuse_parked(transport, transfer: Transfer, parked: Iterable[tuple[int, tuple]]) -> None:
-    """When COLL receive ``transfer`` is posted: if a message parked before it, ``(peer,
-    header)``, contradicts it, break ``transport`` and raise (it fails ``transfer`` too)."""
+    """When COLL receive or send ``transfer`` is posted: if a message parked before it,
+    ``(peer, header)``, contradicts it, break ``transport`` and raise (it fails a receive
+    too). A parked message from a receive's own peer is checked in full when it is
+    matched to it instead; a send's peer may post no receive for it in this op at all."""
     for peer, header in parked:
-        if peer != transfer.peer and contradicts(transfer, header):
+        if (transfer.is_send or peer != transfer.peer) and contradicts(transfer, header):
             transport.fail(_contradiction_error(transport, transfer, peer, header))
             raise transport.error
 

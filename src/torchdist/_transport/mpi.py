@@ -149,6 +149,8 @@ class MpiTransport(Transport):
         if state.gone():
             self._need(state, sending=True)
             raise self._error
+        if kind == MsgKind.COLL:
+            refuse_parked(self, transfer, self._parked())
         stream = _COLL if kind == MsgKind.COLL else _P2P
         self._sent[peer][stream == _P2P] += 1
         if transfer.nbytes <= INLINE:
@@ -178,8 +180,7 @@ class MpiTransport(Transport):
                 raise transfer.error
             return transfer
         if kind == MsgKind.COLL:
-            refuse_parked(self, transfer, ((s.peer, s.parked) for s in self._peers
-                                           if s is not None and s.parked is not None))
+            refuse_parked(self, transfer, self._parked())
             state = self._peers[peer]
             if state.parked is not None:  # the peer's frame was waiting for this receive
                 header, state.parked = state.parked, None
@@ -191,6 +192,12 @@ class MpiTransport(Transport):
         if self._error is not None:
             raise self._error
         return transfer
+
+    def _parked(self) -> Iterable[tuple[int, tuple]]:
+        return ((s.peer, s.parked) for s in self._peers if s is not None and s.parked is not None)
+
+    def _sending(self) -> Iterable[Transfer]:
+        return (a.transfer for a in self._actions if a.is_send and a.transfer is not None)
 
     def _post(self, request, handler: Callable, transfer: Transfer | None, buffer: object,
               is_send: bool = False) -> None:
@@ -293,7 +300,7 @@ class MpiTransport(Transport):
             state.heard_seq, state.heard_at = header[SEQ], time.monotonic()
         target = self._matcher.match(state.peer, header)
         if target is None:
-            if not refuse_contradicting(self, self._matcher, state.peer, header):
+            if not refuse_contradicting(self, self._matcher, state.peer, header, self._sending()):
                 state.parked = header  # the peer is ahead: its next frames wait inside MPI
             return
         self._deliver(state.peer, header, target, state.frame, _COLL_DATA)

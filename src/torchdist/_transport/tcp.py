@@ -129,6 +129,8 @@ class TcpTransport(Transport):
         if self._error is not None:
             raise self._error
         transfer = Transfer(True, kind, peer, seq, fingerprint, tag, payload)
+        if kind == MsgKind.COLL:
+            refuse_parked(self, transfer, self._parked())
         channel = self._channels[peer]
         channel.sendq.append(transfer)
         if not channel.alive:
@@ -162,8 +164,7 @@ class TcpTransport(Transport):
         else:
             channel = self._channels[peer]
             if kind == MsgKind.COLL:
-                refuse_parked(self, transfer, ((c.peer, c.parked) for c in self._channels
-                                               if c is not None and c.parked is not None))
+                refuse_parked(self, transfer, self._parked())
                 if channel.parked is not None:  # the peer's message was waiting for a receive
                     header, channel.parked = channel.parked, None
                     self._set_mask(channel)
@@ -172,6 +173,9 @@ class TcpTransport(Transport):
             elif channel.parked is not None:
                 self._unpark(channel)
         return transfer
+
+    def _parked(self) -> Iterable[tuple[int, tuple]]:
+        return ((c.peer, c.parked) for c in self._channels if c is not None and c.parked is not None)
 
     # -- driving -----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
@@ -407,7 +411,9 @@ class TcpTransport(Transport):
             channel.heard_seq, channel.heard_at = header[SEQ], time.monotonic()  # see wait()
         target = self._matcher.match(channel.peer, header)
         if target is None:
-            if kind == MsgKind.COLL and refuse_contradicting(self, self._matcher, channel.peer, header):
+            if kind == MsgKind.COLL and refuse_contradicting(self, self._matcher, channel.peer, header,
+                                                             (t for c in self._channels if c is not None
+                                                              for t in c.sendq)):
                 return  # not ahead: in another op (see matching)
             if kind == MsgKind.COLL and not channel.draining and not self._matcher.p2p_waits_on(channel.peer):
                 channel.parked = header  # the peer is ahead: leave its data in the kernel
