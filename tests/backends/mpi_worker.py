@@ -190,6 +190,20 @@ def left() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
+def left_unreceived() -> str:
+    """Rank 1 destroys the group without receiving the 4 MB rank 0 sends it."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        dist.destroy_process_group()
+        return "left"
+    start = time.monotonic()
+    try:
+        dist.send(torch.ones(1 << 20), dst=1)
+        return "no error"
+    except dist.DistError as exc:
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+
+
 def crash() -> str:
     """Rank 1 dies of an exception of its own (the interpreter exits through its exit
     handlers) while rank 0 waits for it in a collective."""
@@ -203,7 +217,7 @@ def crash() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
-MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, two_roots, stall, left, crash)}
+MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, two_roots, stall, left, left_unreceived, crash)}
 
 
 def main() -> None:

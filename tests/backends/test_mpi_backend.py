@@ -124,6 +124,15 @@ def test_a_rank_that_leaves_is_named_at_once(tmp_path):
     assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, waiter
 
 
+def test_a_send_to_a_rank_that_left_without_receiving_it_fails_naming_it(tmp_path):
+    """Before, the send waited for the group's timeout and blamed a rank that "did not arrive"."""
+    sender, leaver = _run("left_unreceived", 2, tmp_path)
+    assert leaver == "left"
+    seconds, rest = sender.split("s ", 1)
+    assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, sender
+    assert "without receiving" in rest, sender
+
+
 def test_a_rank_that_dies_of_an_exception_is_named_at_once(tmp_path):
     """It closes its groups on the way out (LEFT notices): without that, rank 0 waited
     for its timeout, and rank 1 for rank 0 inside MPI_Finalize."""

@@ -69,6 +69,9 @@ _COUNTS = struct.Struct("<qq")
 #: How long ``wait``/``progress`` poll without sleeping; then sleeps grow to ``_NAP_MAX_S``.
 _SPIN_S = float(os.environ.get("TORCHDIST_MPI_SPIN_US", "100")) * 1e-6
 _NAP_MAX_S = 0.001
+#: How long a send to a peer that left may still finish: the peer may have taken it before
+#: it left, and its completion reach us after the LEFT notice (s).
+_LEFT_GRACE_S = 0.5
 #: How long ``close`` lets its notices leave (s).
 _FLUSH_S = 1.0
 #: Sends a closed transport could not see complete, with the memory they read:
@@ -122,6 +125,7 @@ class MpiTransport(Transport):
         self._matcher = Matcher(self.size)
         self._peers: list[_Peer | None] = [None if p == self.rank else _Peer(p) for p in range(self.size)]
         self._sent = [[0, 0] for _ in range(self.size)]  # COLL and P2P frames sent to each peer
+        self._departing: dict[int, float] = {}  # peers gone with our sends under way: until when we wait
         # Posted MPI requests and, at the same index, an ``_Action``: what to run on the
         # driving thread when the request completes, and what MPI reads or writes.
         self._requests: list = []
@@ -239,6 +243,8 @@ class MpiTransport(Transport):
         MPI library offers no wait that another thread can cut short)."""
         if self.on_poll is not None:
             self.on_poll()
+        if self._departing:
+            self._check_departing()
         if self._poll():
             return
         start = time.perf_counter()
@@ -374,18 +380,33 @@ class MpiTransport(Transport):
 
     # -- failure -----------------------------------------------------------------------
     def _need(self, state: _Peer, sending: bool = False) -> None:
-        """Fail if ``state``'s peer is gone and something still waits on it."""
+        """Fail if ``state``'s peer is gone and something still waits on it: a receive from
+        it, a new send to it (``sending``), or, ``_LEFT_GRACE_S`` later, a send to it still
+        under way (one it took before leaving may not have seen its end yet here)."""
         if self._error is not None or not state.gone():
             return
         peer = state.peer
-        if not (sending or self._matcher.coll_posted[peer]
-                or any(t.peer == peer for t in self._matcher.p2p_posted)):
-            return
-        name = self.names[peer]
-        self.fail(DistNetworkError(
-            f"{self.label}: rank {self.names[self.rank]} lost rank {name}: it left the group (destroyed it or "
-            f"is exiting) with nothing more to send to rank {self.names[self.rank]}. Every rank must call the "
-            f"same collectives and matching sends/recvs before it leaves; see rank {name}'s log."))
+        if sending or self._matcher.coll_posted[peer] or any(t.peer == peer for t in self._matcher.p2p_posted):
+            self.fail(self._lost(peer, "with nothing more to send to"))
+        elif peer not in self._departing and any(t.peer == peer and not t.done for t in self._sending()):
+            self._departing[peer] = time.monotonic() + _LEFT_GRACE_S
+
+    def _check_departing(self) -> None:
+        """Fail if a send to a peer that left is still under way after the grace period."""
+        now = time.monotonic()
+        for peer, deadline in list(self._departing.items()):
+            if now < deadline:
+                continue
+            del self._departing[peer]
+            if self._error is None and any(t.peer == peer and not t.done for t in self._sending()):
+                self.fail(self._lost(peer, "without receiving what it was sent by"))
+
+    def _lost(self, peer: int, what: str) -> DistNetworkError:
+        name, me = self.names[peer], self.names[self.rank]
+        return DistNetworkError(
+            f"{self.label}: rank {me} lost rank {name}: it left the group (destroyed it or is exiting) {what} "
+            f"rank {me}. Every rank must call the same collectives and matching sends/recvs before it leaves; "
+            f"see rank {name}'s log.")
 
     def _need_any(self) -> None:
         """Fail if an any-source receive waits and every peer is gone."""
