@@ -88,6 +88,17 @@ def point_to_point() -> dict:
             dist.send(torch.empty(0), dst=peer)
         else:
             dist.recv(torch.empty(0), src=peer)
+    # Thousands of outstanding small messages of one tag arrive in the order they were sent.
+    if world > 1 and rank < 2:
+        if rank == 0:
+            works = [dist.isend(torch.tensor([float(i)]), dst=1, tag=3) for i in range(2000)]
+        else:
+            into = [torch.empty(1) for _ in range(2000)]
+            works = [dist.irecv(t, src=0, tag=3) for t in into]
+        for work in works:
+            work.wait()
+        if rank == 1:
+            got["in order"] = torch.cat(into).tolist() == [float(i) for i in range(2000)]
     # A ring of isend/irecv (batch_isend_irecv), 20 KB each way.
     right, left = (rank + 1) % world, (rank - 1) % world
     out, into = torch.full((5000,), float(rank)), torch.empty(5000)

@@ -71,6 +71,7 @@ def test_point_to_point_and_async(ranks, tmp_path):
     assert results[0]["sources"] == list(range(1, ranks)) and sorted(results[0]["any"]) == list(range(1, ranks))
     for n in (3, 4097):
         assert results[1][f"larger recv {n}"] == [n * (n - 1) / 2, [-1.0] * 10]
+    assert results[1]["in order"]
     for rank, result in enumerate(results):
         assert result["ring"] == (rank - 1) % ranks
         assert result["async"] == ranks

@@ -68,6 +68,8 @@ WAKE_BYTES = 256 << 10
 _DRIVE_SLICE_S = 0.02
 #: ``shutdown`` waits for the ops in flight up to the group's timeout plus this (s).
 _SETTLE_SLACK_S = 1.0
+#: How often (s) the driving thread forgets finished P2P works and checks the others' deadlines.
+_SWEEP_S = 0.01
 #: How long closing waits for a thread told to leave the transport (s).
 _LEAVE_S = 5.0
 
@@ -135,6 +137,8 @@ class TcpBackend(ProcessGroupBackend):
         self._issue = threading.Lock()  # makes (seq, queue position) one step
         self._broken: BaseException | None = None
         self._p2p: list[_OpWork] = []  # posted P2P works not yet done (driver thread only)
+        self._p2p_due = math.inf  # the earliest deadline among them
+        self._p2p_swept = 0.0  # when _sweep_p2p last ran
         self._scratch = Scratch()  # reused by successive ops (one runs at a time)
         self._reductions: dict[tuple, tuple] = {}  # _reduction's answers by (op, dtype)
         #: Called once, on the driving thread, when the group breaks (a composite backend
@@ -413,6 +417,7 @@ class TcpBackend(ProcessGroupBackend):
                 done(transfer)
             else:
                 self._p2p.append(work)
+                self._p2p_due = min(self._p2p_due, work._deadline)
         return self._issue_op(op_name, [tensor], False, body, tensor.numel() * tensor.element_size(), async_op)
 
     def _drive_p2p(self, work: _OpWork, until: float | None = None) -> None:
@@ -425,26 +430,34 @@ class TcpBackend(ProcessGroupBackend):
                 work._fail(self._failure(exc, work.op_name, None))
         except BaseException as exc:  # noqa: BLE001
             work._fail(self._failure(exc, work.op_name, None))
-        self._p2p = [w for w in self._p2p if not w._done.is_set()]
+        if time.monotonic() - self._p2p_swept >= _SWEEP_S:
+            self._sweep_p2p()
 
     def _idle_step(self) -> None:
         """The worker's step while only P2P transfers are pending: progress, enforce deadlines."""
-        now = time.monotonic()
-        deadlines = [w._deadline for w in self._p2p if w._deadline is not None]
-        wait = min([0.05] + [d - now for d in deadlines])
         try:
-            self._transport.progress(max(wait, 0.0))
+            self._transport.progress(max(0.0, min(0.05, self._p2p_due - time.monotonic())))
         except BaseException as exc:  # noqa: BLE001
             self._failure(exc, "progress", None)
             return
         now = time.monotonic()
-        for work in self._p2p:
-            if work._transfer.done or work._deadline > now:
-                continue
-            peer = work._transfer.peer
-            self._failure(PeerTimeout("p2p", [] if peer is None else [peer]), work.op_name, None)
-            break
+        if now - self._p2p_swept >= _SWEEP_S or now >= self._p2p_due:
+            self._sweep_p2p()
+
+    def _sweep_p2p(self) -> None:
+        """Forget the P2P works that finished; fail the group if one is past its deadline.
+
+        On the driving thread, at most every ``_SWEEP_S`` (and at the earliest deadline):
+        a sweep costs O(works posted), and one per message made thousands of pending
+        sends quadratic."""
+        now = self._p2p_swept = time.monotonic()
         self._p2p = [w for w in self._p2p if not w._done.is_set()]
+        self._p2p_due = min((w._deadline for w in self._p2p), default=math.inf)
+        for work in self._p2p:
+            if not work._transfer.done and work._deadline <= now:
+                peer = work._transfer.peer
+                self._failure(PeerTimeout("p2p", [] if peer is None else [peer]), work.op_name, None)
+                break
 
     def fail(self, op_name: str, error: DistBackendError) -> None:
         def body(work: _OpWork, seq: int) -> None:
