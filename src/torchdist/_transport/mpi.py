@@ -69,7 +69,7 @@ _COUNTS = struct.Struct("<qq")
 #: How long ``wait``/``progress`` poll without sleeping; then sleeps grow to ``_NAP_MAX_S``.
 _SPIN_S = float(os.environ.get("TORCHDIST_MPI_SPIN_US", "100")) * 1e-6
 _NAP_MAX_S = 0.001
-#: At most this many ``Testsome`` rounds per poll while frames keep arriving.
+#: At most this many ``Testsome`` rounds per poll while P2P frames keep arriving.
 _POLL_ROUNDS = 64
 #: How long a send to a peer that left may still finish: the peer may have taken it before
 #: it left, and its completion reach us after the LEFT notice (s).
@@ -124,6 +124,7 @@ class MpiTransport(Transport):
         self.label = label
         self._error: BaseException | None = None
         self._interrupted = False
+        self._p2p_arrived = False  # a P2P frame came in the last Testsome (see _poll)
         self._matcher = Matcher(self.size)
         self._peers: list[_Peer | None] = [None if p == self.rank else _Peer(p) for p in range(self.size)]
         self._sent = [[0, 0] for _ in range(self.size)]  # COLL and P2P frames sent to each peer
@@ -269,25 +270,25 @@ class MpiTransport(Transport):
     def _poll(self) -> bool:
         """Test the posted requests; run the handlers of those done. True if any were.
 
-        Rounds repeat (up to ``_POLL_ROUNDS``) while a frame arrives: each frame receive
-        is posted again by its handler, and more frames may be waiting behind it (a rank
-        with thousands of messages queued took one per call)."""
+        Rounds repeat (up to ``_POLL_ROUNDS``) while P2P frames arrive: their one receive
+        is posted again by its handler, and more may be queued behind it (a rank with
+        thousands of messages queued took one per call)."""
         any_done = False
         for _round in range(_POLL_ROUNDS):
-            frames = self._test_once()
-            if frames is None:
-                return True  # MPI failed: the transport is broken
-            any_done = any_done or frames >= 0
-            if frames <= 0:
+            self._p2p_arrived = False
+            if not self._test_once():
+                break
+            any_done = True
+            if not self._p2p_arrived:
                 break
         return any_done
 
-    def _test_once(self) -> int | None:
-        """One ``Testsome``: -1 if nothing completed, else how many frame receives did
-        (None if MPI raised, which breaks the transport)."""
+    def _test_once(self) -> bool:
+        """One ``Testsome``; run the handlers of the requests done. True if any were (or
+        if MPI raised, which breaks the transport)."""
         requests = self._requests
         if not requests:
-            return -1
+            return False
         statuses = self._statuses
         if len(statuses) < len(requests):
             statuses.extend(self._mpi.Status() for _ in range(len(requests) - len(statuses)))
@@ -295,9 +296,9 @@ class MpiTransport(Transport):
             done = self._mpi.Request.Testsome(requests, statuses)
         except self._mpi.Exception as exc:  # e.g. a message larger than its receive: a broken peer
             self.fail(DistBackendError(f"{self.label}: rank {self.names[self.rank]}: MPI failed: {exc}"))
-            return None
+            return True
         if not done:
-            return -1
+            return False
         actions = self._actions
         finished = [(actions[i], statuses[k].Get_source()) for k, i in enumerate(done)]
         # Handlers post new requests: take the finished ones out first (a few deletions
@@ -310,14 +311,12 @@ class MpiTransport(Transport):
             gone = set(done)
             self._requests = [r for i, r in enumerate(requests) if i not in gone]
             self._actions = [a for i, a in enumerate(actions) if i not in gone]
-        frames = 0
         for action, source in finished:
             if action.transfer is None:
-                frames += not action.is_send
                 action.handler(source)
             elif not action.transfer.done:
                 action.handler(action.transfer)
-        return frames
+        return True
 
     def interrupt(self) -> None:
         self._interrupted = True
@@ -347,6 +346,7 @@ class MpiTransport(Transport):
         self._post_coll_frame(state)
 
     def _on_p2p_frame(self, source: int) -> None:
+        self._p2p_arrived = True  # (see _poll)
         state = self._peers[source]
         state.frames_in[1] += 1
         header = _unpack_from(self._p2p_frame, 0)
