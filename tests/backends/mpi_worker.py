@@ -162,7 +162,11 @@ def mismatch() -> list[str]:
 
 def two_roots() -> str:
     """Rank 0 broadcasts 400 KB from itself, the others from rank 1: ranks 0 and 1 only
-    send, and each finds the other's message contradicting its own send."""
+    send, and each finds the other's message contradicting its own send. Rank 1 comes
+    late: else, at world 3, ranks 1 and 2 could finish their broadcast before rank 0's
+    message reaches them (a root whose sends complete returns; see docs/design)."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
     start = time.monotonic()
     try:
         dist.broadcast(torch.ones(100_000), src=0 if dist.get_rank() == 0 else 1)

@@ -144,6 +144,19 @@ def test_a_rank_that_dies_of_an_exception_is_named_at_once(tmp_path):
     assert float(seconds) < 10 and "rank 0 lost rank 1: it left the group" in rest, waiter
 
 
+def test_torchdist_bench_runs_as_an_mpi_job_like_nccl_tests(tmp_path):
+    out = tmp_path / "rows.json"
+    status, output = _launch(2, ["-m", "torchdist.bench", "all_reduce,all_gather", "-b", "8", "-e", "64K", "-f",
+                                 "64", "--backend", "mpi", "--compare", "gloo", "-n", "3", "-w", "1", "-r", "1",
+                                 "--json", str(out)])
+    assert status == 0, output
+    assert output.count("# torchdist-bench: world size 2, backend 'mpi'") == 1, output  # rank 0 reports
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in ("all_reduce", "all_gather")
+                                                    for impl in ("torchdist", "gloo")}
+    assert all(r["wrong"] == 0 for r in rows), rows
+
+
 def test_the_main_job_trains_over_mpi(tmp_path):
     status, output = _launch(2, [str(ROOT / "examples" / "ddp_digits.py"), "--backend", "mpi", "--epochs", "3",
                                  "--no-progress", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=180)

@@ -8,7 +8,10 @@ Example, the nccl-tests experience for CPU::
 ``ops`` is a comma-separated list of all_reduce, broadcast, reduce, all_gather,
 reduce_scatter, alltoall, or ``all``. Sizes go from ``-b`` to ``-e``, multiplied
 by ``-f`` each time (suffixes K, M, G are powers of 1024). The ranks are
-processes on this host started through ``torchdist.testing.run_ranks``.
+processes on this host started through ``torchdist.testing.run_ranks``; with
+``--backend mpi`` they are the processes of the MPI job that runs the command, as
+with nccl-tests (``mpiexec -n 2 torchdist-bench all_reduce --backend mpi``; with
+``--compare``, the ranks must share one host), and rank 0 prints.
 Exit status: 0 if every checked result was right, 1 if any was wrong (``#wrong``
 > 0), 2 for a bad command line; a run that fails or times out raises.
 """
@@ -60,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", default="sum", choices=list(REDOPS))
     p.add_argument("--root", type=int, default=0, help="root rank of broadcast and reduce (0..nproc-1)")
     p.add_argument("-c", "--check", type=int, default=1, help="verify results (#wrong); 0 to skip")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this host")
-    p.add_argument("--backend", default="auto", help="torchdist backend: auto, shm, tcp")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (processes) on this host (default 2; "
+                   "with --backend mpi, the MPI job's)")
+    p.add_argument("--backend", default="auto", help="torchdist backend: auto, shm, tcp, mpi (run under mpiexec)")
     p.add_argument("--compare", default=None, help="also run torch.distributed with this backend (gloo)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--symmetric", action="store_true",
@@ -83,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"-f must be at least 2, got {args.stepfactor}")
     if args.minbytes > args.maxbytes:
         parser.error(f"-b ({args.minbytes}) is larger than -e ({args.maxbytes})")
+    mpi_world = _mpi_world() if args.backend == "mpi" else None
+    if mpi_world is not None:
+        if args.nproc not in (None, mpi_world.Get_size()):
+            parser.error(f"--nproc {args.nproc} but the MPI job has {mpi_world.Get_size()} processes; leave it out")
+        args.nproc = mpi_world.Get_size()
+    elif args.nproc is None:
+        args.nproc = 2
     if args.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
     if not 0 <= args.root < args.nproc:
@@ -108,7 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a scheduler, timeout(1)) ends the run as Ctrl-C does: the ranks are reaped
     # and their scratch folder removed, which the default action skips.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    results = run_ranks(run_rank, args.nproc, args=(job,), timeout=job.timeout_s)
+    if mpi_world is None:
+        results = run_ranks(run_rank, args.nproc, args=(job,), timeout=job.timeout_s)
+    else:  # this process is one rank; rank 0 (which picked the ports) reports for all
+        job = mpi_world.bcast(job, root=0)
+        results = mpi_world.gather(run_rank(mpi_world.Get_rank(), args.nproc, job), root=0)
+        if mpi_world.Get_rank() != 0:
+            return mpi_world.bcast(None, root=0)
+    status = _report(args, job, results)
+    if mpi_world is not None:
+        mpi_world.bcast(status, root=0)
+    return status
+
+
+def _mpi_world():
+    """MPI's COMM_WORLD (``--backend mpi``: this process is one rank of the MPI job)."""
+    from .._process_group.backends.mpi import load_mpi
+
+    return load_mpi().COMM_WORLD
+
+
+def _report(args: argparse.Namespace, job: Job, results: list) -> int:
+    """Print (and write) the rows of every rank's ``results``; the exit status."""
     rows = report.rows_from(results, job, args.nproc)
     report.print_table(rows, job, args.nproc)
     if args.json:

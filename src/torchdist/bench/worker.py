@@ -182,8 +182,11 @@ class _Case:
 def _implementations(job: Job, rank: int, world: int) -> dict:
     import torchdist
 
-    torchdist.init_process_group(job.backend, init_method=f"tcp://127.0.0.1:{job.port}", rank=rank,
-                                 world_size=world)
+    if job.backend == "mpi":  # rank and world size come from the MPI job
+        torchdist.init_process_group("mpi")
+    else:
+        torchdist.init_process_group(job.backend, init_method=f"tcp://127.0.0.1:{job.port}", rank=rank,
+                                     world_size=world)
     impls = {"torchdist": torchdist}
     if job.compare:
         # The baseline adapter sits outside the package (see the module docstring).
