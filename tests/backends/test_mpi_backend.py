@@ -178,6 +178,14 @@ def test_ranks_not_started_by_one_mpiexec_get_a_clear_error():
         assert "needs every rank of the group in one MPI job" in message and "mpiexec" in message, message
 
 
+def test_a_process_started_by_a_launcher_rather_than_mpiexec_is_refused():
+    """Each such rank would be an MPI job of one and train alone, silently."""
+    env = dict(os.environ, WORLD_SIZE="2", RANK="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", "import torchdist; torchdist.init_process_group('mpi')"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "WORLD_SIZE=2" in proc.stderr and "mpiexec" in proc.stderr, proc.stderr
+
+
 def test_without_mpi4py_the_backend_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     assert not dist.is_mpi_available()

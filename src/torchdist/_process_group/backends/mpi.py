@@ -61,6 +61,15 @@ def rendezvous_over_mpi(rank: int, world_size: int, timeout: timedelta) -> tuple
         warnings.warn(f"For MPI backend, world_size ({world_size}) and rank ({rank}) are ignored since they are "
                       "assigned by the MPI runtime.", stacklevel=3)
     rank, world_size = world.Get_rank(), world.Get_size()
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is not None and launched != str(world_size):
+        # e.g. torchdist-run started this process: each rank would be an MPI job of its own
+        # and train alone, silently
+        raise RuntimeError(
+            f"init_process_group('mpi'): this process's environment says WORLD_SIZE={launched} (a launcher such "
+            f"as torchdist-run started it), but its MPI job has {world_size} process(es). Backend 'mpi' takes "
+            "rank and world size from MPI: start the job with `mpiexec -n N python ...`, or use backend 'gloo' "
+            "under torchdist-run.")
     hosts = world.allgather(socket.gethostname())
     if rank == 0:
         address = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0])
