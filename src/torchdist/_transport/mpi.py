@@ -32,8 +32,9 @@ next P2P frame is read only after it, so messages of one sender keep their order
 Leaving. MPI has no hang-up: ``close`` sends each peer a LEFT notice with the
 number of COLL and P2P frames it sent it. As tags are not ordered with each
 other, the peer counts frames; once it has them all, the rank is gone, and
-anything still waiting on it fails naming it (a rank that exits without closing
-is the MPI launcher's to handle: mpiexec stops the job).
+anything still waiting on it fails naming it. The backend closes its transports
+when the process exits, so a rank that dies of an exception is named at once; one
+killed outright is the MPI launcher's to handle (mpiexec stops the job).
 
 Threading: one thread drives the transport at a time (see ``base``); MPI must
 provide ``MPI_THREAD_MULTIPLE``, as different groups' transports are driven by
