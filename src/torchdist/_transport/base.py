@@ -176,10 +176,13 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release connections; pending transfers fail."""
 
+    #: The first fatal error, or None while healthy (implementations set it in ``fail``).
+    _error: BaseException | None = None
+
     @property
-    @abc.abstractmethod
     def error(self) -> BaseException | None:
         """The first fatal error, or None while healthy."""
+        return self._error
 
     @abc.abstractmethod
     def pending(self) -> bool:

@@ -85,10 +85,6 @@ class LoopbackTransport(Transport):
         self._parked = [False] * fabric.size
         self._sent: list[Transfer] = []  # our sends not yet taken, for pending()
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,
               payload: memoryview, tag: int = 0) -> Transfer:
         with self.fabric.cond:

@@ -143,10 +143,6 @@ class MpiTransport(Transport):
         self._post_p2p_frame()
         self._post_ctrl_frame()
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
     # -- posting -----------------------------------------------------------------------
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,
               payload: memoryview, tag: int = 0) -> Transfer:

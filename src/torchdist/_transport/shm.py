@@ -144,10 +144,6 @@ class ShmTransport(Transport):
         return cls(Board(store, rank, size, timeout, names, label, RING_BYTES, CHUNK_BYTES),
                    SymmetricHeap(store, rank, size, timeout, names, label))
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
     # -- posting -----------------------------------------------------------------------
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,
               payload: memoryview, tag: int = 0) -> Transfer:

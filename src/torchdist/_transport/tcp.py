@@ -120,10 +120,6 @@ class TcpTransport(Transport):
             self._poller.register(channel.fd, channel.mask)
 
     # -- posting -----------------------------------------------------------------------
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
     def isend(self, peer: int, kind: MsgKind, seq: int, fingerprint: OpFingerprint,
               payload: memoryview, tag: int = 0) -> Transfer:
         if self._error is not None:
