@@ -192,6 +192,23 @@ def stall() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
+def chain() -> str:
+    """World 4, the last rank stalls in a dissemination barrier and rank 0 comes 0.2 s late:
+    rank 2 times out waiting on rank 0, which itself waits on the stalled rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    dist.barrier(group=group)
+    if rank == world - 1:
+        time.sleep(5)
+    elif rank == 0:
+        time.sleep(0.2)
+    try:
+        dist.barrier(group=group)
+        return "no error"
+    except dist.DistError as exc:
+        return str(exc)
+
+
 def left() -> str:
     """Rank 1 destroys the group and exits while rank 0 waits for a message from it."""
     if dist.get_rank() == 1:
@@ -232,7 +249,7 @@ def crash() -> str:
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
 
 
-MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, two_roots, stall, left, left_unreceived, crash)}
+MODES = {f.__name__: f for f in (battery, point_to_point, groups, ddp, mismatch, two_roots, stall, chain, left, left_unreceived, crash)}
 
 
 def main() -> None:

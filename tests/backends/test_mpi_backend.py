@@ -118,6 +118,13 @@ def test_a_stalled_rank_is_named_at_the_timeout(tmp_path):
     assert "aborted by rank" in results[2], results[2]
 
 
+def test_waiters_follow_the_chain_of_waits_to_the_stalled_rank(tmp_path):
+    """WAITING notices, as on tcp (_transport/waits.py): without them rank 2 named rank 0,
+    which was waiting on rank 3 itself."""
+    for message in _run("chain", 4, tmp_path)[:3]:
+        assert "ranks [3] did not arrive" in message, message
+
+
 def test_a_rank_that_leaves_is_named_at_once(tmp_path):
     waiter, leaver = _run("left", 2, tmp_path)
     assert leaver == "left"

@@ -14,7 +14,8 @@ orders nothing across tags, so each stream has a tag of its own::
       2  COLL_DATA   the payloads of larger collective messages, in frame order
       3  P2P         point-to-point frames
       4  P2P_DATA    their larger payloads
-      5  CTRL        ABORT and LEFT notices, read whatever the other streams hold
+      5  CTRL        ABORT, WAITING and LEFT notices, read whatever the other streams
+                     hold (a WAITING notice is never stuck behind a parked frame)
 
 A small payload rides in its frame: one MPI message and one copy are cheaper than
 two messages. A larger one is its own message, sent from the tensor's memory and
@@ -50,9 +51,10 @@ import time
 from typing import Callable, Iterable, NamedTuple
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport
+from .base import COMPANION_SLICE_S, Transfer, Transport
 from .framing import HEADER, Header, MsgKind, OpFingerprint
 from .matching import KIND, NBYTES, SEQ, Matcher, check_match, deliver_early, refuse_contradicting, refuse_parked
+from .waits import WaitChains
 
 __all__ = ["MpiTransport", "INLINE"]
 
@@ -124,6 +126,7 @@ class MpiTransport(Transport):
         self.names = names if names is not None else list(range(self.size))
         self.label = label
         self._error: BaseException | None = None
+        self._chains = WaitChains(self.rank, self.names, label)  # naming the rank at fault at a timeout
         self._interrupted = False
         self._p2p_arrived = False  # a P2P frame came in the last Testsome (see _poll)
         self._matcher = Matcher(self.size)
@@ -223,12 +226,25 @@ class MpiTransport(Transport):
     # -- driving -----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
         transfers = list(transfers)
+        self._chains.begin(transfers)
+        extended = False
         while not all(t.done for t in transfers):
             if self._error is not None:
                 raise self._error
             timeout = 1.0 if deadline is None else deadline - time.monotonic()
             if timeout <= 0:
-                raise self._timeout(transfers)
+                # The ranks we wait on may be waiting themselves: tell every peer whom we wait
+                # on and give them slack to tell us theirs (see waits.py).
+                peers, joined = self._owing(transfers)
+                later = None if extended else self._chains.extend(
+                    transfers, deadline, peers, joined, lambda p: self._peers[p].heard_at)
+                if later is None:
+                    raise self._chains.timeout(peers, joined, transfers[0].seq)
+                if transfers[0].kind is MsgKind.COLL:
+                    payload = WaitChains.notice(peers[:_CTRL_PAYLOAD // 4])
+                    self._notify(MsgKind.WAITING, lambda peer: payload, transfers[0].seq)
+                deadline, extended = later, True
+                continue
             if self.companion is not None:
                 self.companion()
                 timeout = min(timeout, COMPANION_SLICE_S)
@@ -397,6 +413,8 @@ class MpiTransport(Transport):
             self._poll()
             self.fail(DistBackendError(f"{self.label}: rank {self.names[self.rank]}: the group was aborted by "
                                        f"rank {self.names[source]}: {payload.decode('utf-8', 'replace')}"))
+        elif header[KIND] == MsgKind.WAITING:
+            self._chains.heard(source, header[SEQ], payload)
         elif header[KIND] == MsgKind.LEFT:
             state.left = _COUNTS.unpack(payload)
             self._need(state)
@@ -442,20 +460,16 @@ class MpiTransport(Transport):
             f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: every "
             f"peer, ranks {[self.names[s.peer] for s in peers]}, left the group."))
 
-    def _timeout(self, transfers: list[Transfer]) -> PeerTimeout:
+    def _owing(self, transfers: list[Transfer]) -> tuple[list[int], list[int]]:
+        """The peers of unfinished ``transfers``, and those of them that sent us a message
+        of the transfer's collective (or a later one): they joined it."""
         pending = [t for t in transfers if not t.done]
         peers = {t.peer for t in pending if t.peer is not None}
-        if any(t.peer is None for t in pending):
+        if any(t.peer is None for t in pending):  # any source: every peer still there
             peers.update(s.peer for s in self._peers if s is not None and not s.gone())
-        peers = sorted(peers)
-        joined = sorted({t.peer for t in pending if t.kind is MsgKind.COLL and t.peer is not None
-                         and self._peers[t.peer].heard_seq >= t.seq})
-        suspects = [p for p in peers if p not in joined] or peers
-        message = f"{self.label}: timed out waiting for ranks {[self.names[p] for p in suspects]}"
-        if joined and suspects != peers:
-            message += (f"; ranks {[self.names[p] for p in joined]} joined collective #{pending[0].seq} and are "
-                        "probably waiting on other ranks")
-        return PeerTimeout(message, suspects, joined)
+        joined = {t.peer for t in pending if t.kind is MsgKind.COLL and t.peer is not None
+                  and self._peers[t.peer].heard_seq >= t.seq}
+        return sorted(peers), sorted(joined)
 
     def fail(self, error: BaseException, notify: bool = True) -> None:
         if self._error is not None:
@@ -471,13 +485,13 @@ class MpiTransport(Transport):
             if action.transfer is not None:
                 action.transfer.finish(error)
 
-    def _notify(self, kind: MsgKind, payload_for: Callable[[int], bytes]) -> None:
+    def _notify(self, kind: MsgKind, payload_for: Callable[[int], bytes], seq: int = 0) -> None:
         """Send every peer still there a CTRL frame (best effort; ``close`` flushes them)."""
         for state in self._peers:
             if state is None or state.gone():
                 continue
             payload = payload_for(state.peer)
-            frame = Header(kind, 0, len(payload)).pack() + payload
+            frame = Header(kind, seq, len(payload)).pack() + payload
             self._post(self.comm.Isend([frame, self._mpi.BYTE], state.peer, _CTRL), _ignore, None, frame,
                        is_send=True)
 

@@ -27,7 +27,7 @@ the first fatal error breaks the transport (see ``base.Transport``). A dead peer
 is fatal once something waits on it (``_need``); an any-source receive, once no
 peer is left (``_need_any``). A collective that times out tells its peers whom
 it waits on (a WAITING notice) and waits a little longer for theirs, or their
-ABORT, to name the rank the chain of waits ends at (see ``wait``).
+ABORT, to name the rank the chain of waits ends at (``waits.py``).
 
 (Longer than our usual module: the send path, the receive state machine and the
 failure handling share the per-channel state and are read together.)
@@ -35,7 +35,6 @@ failure handling share the per-channel state and are read together.)
 
 from __future__ import annotations
 
-import array
 import logging
 import os
 import select
@@ -45,10 +44,11 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..errors import DistBackendError, DistNetworkError
-from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
+from .base import COMPANION_SLICE_S, Transfer, Transport, advance_receive
 from .framing import HEADER, Header, MsgKind, OpFingerprint
 from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early, refuse_contradicting,
                        refuse_parked)
+from .waits import WaitChains
 
 __all__ = ["TcpTransport"]
 
@@ -57,10 +57,6 @@ logger = logging.getLogger(__name__)
 _STAGE = 65536
 #: How long ``wait`` polls without sleeping before it blocks (see ``progress``).
 _SPIN_S = float(os.environ.get("TORCHDIST_TCP_SPIN_US", "100")) * 1e-6
-#: How long past its own deadline a waiter gives the peers it waits on, when all of them
-#: joined the op, to time out in turn and send the ABORT that names who they wait on
-#: (see ``wait``): their timeout firing, plus an ABORT's trip, on a loaded machine.
-_ABORT_SLACK_S = 1.0
 _HSIZE = HEADER.size
 _unpack_from = HEADER.unpack_from
 _IN = select.POLLIN | select.POLLRDHUP
@@ -103,9 +99,8 @@ class TcpTransport(Transport):
         self.label = label
         self._error: BaseException | None = None
         self._matcher = Matcher(size)
-        self._op_seq, self._op_start = -1, 0.0  # the latest collective waited on, since when
         self._sweeping = False  # inside _read_the_others
-        self._waiting: dict[int, tuple[int, list[int]]] = {}  # peer -> its last WAITING: (seq, ranks)
+        self._chains = WaitChains(rank, self.names, label)  # naming the rank at fault at a timeout
         self._channels: list[_Channel | None] = [None] * size
         self._by_fd: dict[int, _Channel] = {}
         self._poller = select.poll()
@@ -176,8 +171,7 @@ class TcpTransport(Transport):
     # -- driving -----------------------------------------------------------------------
     def wait(self, transfers: Iterable[Transfer], deadline: float | None) -> None:
         transfers = list(transfers)
-        if transfers and transfers[0].kind is MsgKind.COLL and transfers[0].seq != self._op_seq:
-            self._op_seq, self._op_start = transfers[0].seq, time.monotonic()  # the op's first wait
+        self._chains.begin(transfers)
         extended = False
         while True:
             for transfer in transfers:
@@ -192,28 +186,17 @@ class TcpTransport(Transport):
             else:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
+                    # The ranks we wait on may be waiting themselves: tell every peer whom we
+                    # wait on and give them slack to tell us theirs (see waits.py).
                     peers, joined = self._owing(transfers)
-                    collective = transfers[0].kind is MsgKind.COLL
-                    if not extended and (collective or (joined and joined == peers)):
-                        # The ranks we wait on may be waiting themselves (in a ring, each on
-                        # its own left neighbour): naming them would blame the wrong rank.
-                        # Tell every peer whom we wait on, and give them slack to time out
-                        # in turn and tell us (or ABORT, naming whom they waited on): then
-                        # ``_culprits`` follows the chain. A rank that joined started the op
-                        # before we heard from it, so its deadline is at most (heard_at -
-                        # our start) after ours: that, plus the full slack, if all did.
-                        # Otherwise at most a quarter of the timeout (a 0.5 s barrier
-                        # timeout stays well under a second).
-                        if collective:
-                            self._tell_waiting(transfers[0].seq, peers)
-                        if joined and joined == peers:
-                            latest = max(self._channels[p].heard_at for p in joined)
-                            deadline += max(0.0, latest - self._op_start) + _ABORT_SLACK_S
-                        else:
-                            deadline += min(_ABORT_SLACK_S, 0.25 * (deadline - self._op_start))
-                        extended = True
-                        continue
-                    raise self._timeout(peers, joined, transfers[0].seq)
+                    later = None if extended else self._chains.extend(
+                        transfers, deadline, peers, joined, lambda p: self._channels[p].heard_at)
+                    if later is None:
+                        raise self._chains.timeout(peers, joined, transfers[0].seq)
+                    if transfers[0].kind is MsgKind.COLL:
+                        self._tell_waiting(transfers[0].seq, peers)
+                    deadline, extended = later, True
+                    continue
             if self.companion is not None:
                 self.companion()
                 timeout = min(timeout, COMPANION_SLICE_S)
@@ -236,40 +219,10 @@ class TcpTransport(Transport):
 
     def _tell_waiting(self, seq: int, peers: list[int]) -> None:
         """Send every live peer a WAITING notice: in collective ``seq`` we wait on ``peers``."""
-        payload = memoryview(array.array("i", peers).tobytes())
+        payload = memoryview(WaitChains.notice(peers))
         for channel in self._channels:
             if channel is not None and channel.alive:
                 self.isend(channel.peer, MsgKind.WAITING, seq, OpFingerprint(), payload)
-
-    def _culprits(self, seq: int, suspects: list[int]) -> tuple[list[int], list[int]]:
-        """Follow the WAITING notices of collective ``seq`` from ``suspects``: the ranks at
-        the ends of the chains (they sent none: not in the op, or stalled), and the ranks
-        on the way (they wait themselves)."""
-        culprits, waiting, frontier = set(), set(), list(suspects)
-        while frontier:
-            p = frontier.pop()
-            if p in culprits or p in waiting or p == self.rank:
-                continue
-            notice = self._waiting.get(p)
-            if notice is not None and notice[0] == seq:
-                waiting.add(p)
-                frontier.extend(notice[1])
-            else:
-                culprits.add(p)
-        return sorted(culprits) or list(suspects), sorted(waiting)
-
-    def _timeout(self, peers: list[int], joined: list[int], seq: int) -> PeerTimeout:
-        # Ranks that joined the op, or told us they wait, are waiting themselves: blame the
-        # ranks their chains end at, if there are any.
-        suspects, waiting = self._culprits(seq, [p for p in peers if p not in joined] or peers)
-        if waiting:
-            peers, joined = sorted(set(peers) | set(suspects)), sorted(set(joined) | set(waiting))
-        suspects = [p for p in peers if p not in joined] or peers
-        message = f"{self.label}: timed out waiting for ranks {[self.names[p] for p in suspects]}"
-        if joined:
-            message += (f"; ranks {[self.names[p] for p in joined]} joined collective #{seq} and are "
-                        "probably waiting on other ranks")
-        return PeerTimeout(message, suspects, joined)
 
     def progress(self, timeout: float, spin: float = 0.0) -> None:
         """One round of ``poll``; ``spin`` seconds of polling without sleeping first."""
@@ -452,7 +405,7 @@ class TcpTransport(Transport):
     def _early_done(self, peer: int, header: tuple) -> Callable[[Transfer], None]:
         def done(transfer: Transfer) -> None:
             if header[KIND] == MsgKind.WAITING:
-                self._waiting[peer] = (header[SEQ], array.array("i", bytes(transfer.view)).tolist())
+                self._chains.heard(peer, header[SEQ], bytes(transfer.view))
                 return
             if header[KIND] == MsgKind.ABORT:
                 reason = bytes(transfer.view).decode("utf-8", "replace")
