@@ -430,6 +430,8 @@ class TcpBackend(ProcessGroupBackend):
                 work._fail(self._failure(exc, work.op_name, None))
         except BaseException as exc:  # noqa: BLE001
             work._fail(self._failure(exc, work.op_name, None))
+        if self._p2p and self._p2p[-1] is work and work._done.is_set():
+            self._p2p.pop()  # a synchronous send/recv: forgotten at once, sweep or not
         if time.monotonic() - self._p2p_swept >= _SWEEP_S:
             self._sweep_p2p()
 
