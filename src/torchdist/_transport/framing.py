@@ -50,7 +50,7 @@ class MsgKind(enum.IntEnum):
     P2P = 2
     ABORT = 3
     #: A rank timed out in collective ``seq``: the payload lists the ranks it waits on
-    #: (int32 group ranks). Sent only on that slow path (``TcpTransport.wait``).
+    #: (int32 group ranks). Sent only on that slow path (``waits.py``: TCP and MPI).
     WAITING = 4
     #: The sender closed its transport; the payload says how many messages it sent us
     #: (``MpiTransport``, whose peers see no hang-up).
