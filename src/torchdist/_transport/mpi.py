@@ -162,7 +162,7 @@ class MpiTransport(Transport):
         self._sent[peer][stream == _P2P] += 1
         if transfer.nbytes <= INLINE:
             frame = transfer.header + bytes(payload)  # one message, one small copy
-            self._post(self.comm.Isend([frame, self._mpi.BYTE], peer, stream), _finish_send, transfer, frame,
+            self._post(self.comm.Isend([frame, self._mpi.BYTE], peer, stream), Transfer.finish, transfer, frame,
                        is_send=True)
         else:
             # Two messages: the transfer is done when both are, in either order.
@@ -522,10 +522,6 @@ def _landed(transfer: Transfer) -> None:
     """A receive's payload arrived whole."""
     if transfer.on_data is not None:
         transfer.on_data(transfer.nbytes)
-    transfer.finish()
-
-
-def _finish_send(transfer: Transfer) -> None:
     transfer.finish()
 
 
