@@ -264,6 +264,8 @@ def _non_member_p2p(rank, world):
     group = dist.new_group([0, 1])
     if rank != 2:
         return None
+    # PyTorch's NON_GROUP_MEMBER is the int -100, and programs compare with it.
+    assert group == -100 and group is dist.GroupMember.NON_GROUP_MEMBER and isinstance(group, int)
     refused = []
     for call in (lambda: dist.send(torch.ones(1), dst=0, group=group),
                  lambda: dist.send_object_list([1], dst=0, group=group),

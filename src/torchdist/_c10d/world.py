@@ -21,8 +21,10 @@ from .._store.base import Store
 __all__ = ["World", "WORLD", "GroupMember", "group", "NON_GROUP_MEMBER"]
 
 
-class _NonGroupMember:
-    """What ``new_group`` returns on ranks that are not in the group."""
+class _NonGroupMember(int):
+    """What ``new_group`` returns on ranks that are not in the group: -100, as PyTorch's
+    ``GroupMember.NON_GROUP_MEMBER``, so code that compares with -100 works; an object of its
+    own, so torchdist tells it apart by identity."""
 
     def __repr__(self) -> str:
         return "GroupMember.NON_GROUP_MEMBER"
@@ -31,7 +33,7 @@ class _NonGroupMember:
         return "NON_GROUP_MEMBER"
 
 
-NON_GROUP_MEMBER = _NonGroupMember()
+NON_GROUP_MEMBER = _NonGroupMember(-100)
 
 
 @dataclass
