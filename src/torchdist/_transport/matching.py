@@ -36,7 +36,7 @@ from .base import Transfer
 from .framing import Header, MsgKind
 
 __all__ = ["Matcher", "mismatch_error", "check_match", "contradicts", "refuse_contradicting", "refuse_parked",
-           "KIND", "SEQ", "TAG", "NBYTES"]
+           "receive_early", "deliver_early", "KIND", "SEQ", "TAG", "NBYTES"]
 
 # Positions in a header's field tuple (see framing.HEADER).
 KIND, SEQ, TAG, NBYTES = 0, 5, 6, 8
@@ -191,6 +191,19 @@ def refuse_parked(transport, transfer: Transfer, parked: Iterable[tuple[int, tup
         if (transfer.is_send or peer != transfer.peer) and contradicts(transfer, header):
             transport.fail(_contradiction_error(transport, transfer, peer, header))
             raise transport.error
+
+
+def receive_early(transport, matcher: Matcher, transfer: Transfer) -> bool:
+    """Post receive ``transfer`` to ``transport``'s ``matcher``. If a P2P message for it was
+    read into memory before it was posted, complete it with that now (raising if the two
+    mismatch) and return True; otherwise the transport goes on to wait for the message."""
+    early = matcher.post(transfer)
+    if early is None:
+        return False
+    deliver_early(transport, transfer, *early)
+    if transfer.error is not None:
+        raise transfer.error
+    return True
 
 
 def deliver_early(transport, transfer: Transfer, header: tuple, payload: bytes | memoryview) -> None:

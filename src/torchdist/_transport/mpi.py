@@ -53,7 +53,8 @@ from typing import Callable, Iterable, NamedTuple
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, Transfer, Transport
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, SEQ, Matcher, check_match, deliver_early, refuse_contradicting, refuse_parked
+from .matching import (KIND, NBYTES, SEQ, Matcher, check_match, deliver_early, receive_early, refuse_contradicting,
+                       refuse_parked)
 from .waits import WaitChains
 
 __all__ = ["MpiTransport", "INLINE"]
@@ -180,11 +181,7 @@ class MpiTransport(Transport):
         if self._error is not None:
             raise self._error
         transfer = Transfer(False, kind, peer, seq, fingerprint, tag, payload, on_data)
-        early = self._matcher.post(transfer)
-        if early is not None:  # a P2P message read into memory before its receive
-            deliver_early(self, transfer, *early)
-            if transfer.error is not None:
-                raise transfer.error
+        if receive_early(self, self._matcher, transfer):
             return transfer
         if kind == MsgKind.COLL:
             refuse_parked(self, transfer, self._parked())

@@ -40,7 +40,8 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, PeerTimeout, Transfer, Transport, advance_receive
 from .framing import HEADER, MsgKind, OpFingerprint
-from .matching import KIND, NBYTES, TAG, Matcher, check_match, deliver_early, refuse_contradicting, refuse_parked
+from .matching import (KIND, NBYTES, TAG, Matcher, check_match, deliver_early, receive_early, refuse_contradicting,
+                       refuse_parked)
 from .shm_board import BLOCK_S, Board
 from .shm_heap import SymmetricHeap
 from .shm_steps import Steps
@@ -164,13 +165,10 @@ class ShmTransport(Transport):
         if self._error is not None:
             raise self._error
         transfer = Transfer(False, kind, peer, seq, fingerprint, tag, payload, on_data)
-        early = self._matcher.post(transfer)
         self._activity += 1
-        if early is not None:
-            deliver_early(self, transfer, *early)
-            if transfer.error is not None:
-                raise transfer.error
-        elif kind == MsgKind.COLL:
+        if receive_early(self, self._matcher, transfer):
+            return transfer
+        if kind == MsgKind.COLL:
             channel = self._in[peer]
             refuse_parked(self, transfer, ((c.peer, c.parked) for c in self._in
                                            if c is not None and c.parked is not None))

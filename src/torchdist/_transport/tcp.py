@@ -46,8 +46,8 @@ from typing import Callable, Iterable
 from ..errors import DistBackendError, DistNetworkError
 from .base import COMPANION_SLICE_S, Transfer, Transport, advance_receive
 from .framing import HEADER, Header, MsgKind, OpFingerprint
-from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early, refuse_contradicting,
-                       refuse_parked)
+from .matching import (KIND, NBYTES, SEQ, TAG, Matcher, check_match, deliver_early, receive_early,
+                       refuse_contradicting, refuse_parked)
 from .waits import WaitChains
 
 __all__ = ["TcpTransport"]
@@ -137,12 +137,9 @@ class TcpTransport(Transport):
         if self._error is not None:
             raise self._error
         transfer = Transfer(False, kind, peer, seq, fingerprint, tag, payload, on_data)
-        early = self._matcher.post(transfer)
-        if early is not None:
-            deliver_early(self, transfer, *early)
-            if transfer.error is not None:
-                raise transfer.error
-        elif peer is None:
+        if receive_early(self, self._matcher, transfer):
+            return transfer
+        if peer is None:
             for channel in self._channels:
                 if channel is not None and channel.parked is not None:
                     self._unpark(channel)
