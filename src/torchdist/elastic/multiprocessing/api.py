@@ -111,7 +111,7 @@ class RunProcsResult:
 
     return_values: dict[int, object] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
-    stdouts: dict[int, str] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)  # by local rank: its stdout.log, "" if not redirected
     stderrs: dict[int, str] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
@@ -177,6 +177,10 @@ class _Worker:
 
     def _log_path(self, std: Std) -> str:
         return os.path.join(self.command.log_dir, "stdout.log" if std == Std.OUT else "stderr.log")
+
+    def log_file(self, std: Std) -> str:
+        """The file ``std`` is written to, or "" if it is not (``RunProcsResult.stdouts``)."""
+        return self._log_path(std) if (self.command.redirect | self.command.tee) & std else ""
 
     def _filtered_path(self, std: Std) -> str:
         """The attempt's file of filtered lines, shared by its ranks (torchrun's layout)."""
@@ -257,11 +261,16 @@ class SubprocessContext:
             for rank, failure in failures.items():
                 log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s",
                           failure.exitcode, rank, failure.pid, self._commands[rank].argv[0])
-            return RunProcsResult(failures=failures)
+            return RunProcsResult(failures=failures, **self._log_files())
         if running == 0:
             self._join_output()
-            return RunProcsResult(return_values={w.command.local_rank: None for w in self._workers})
+            return RunProcsResult(return_values={w.command.local_rank: None for w in self._workers},
+                                  **self._log_files())
         return None
+
+    def _log_files(self) -> dict[str, dict[int, str]]:
+        return {name: {w.command.local_rank: w.log_file(std) for w in self._workers}
+                for name, std in (("stdouts", Std.OUT), ("stderrs", Std.ERR))}
 
     def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         """Stop every worker (and the processes it forked): ``death_sig``, then SIGKILL after ``timeout``."""
