@@ -291,7 +291,8 @@ def _mismatch(rank: int, world: int, case: str) -> tuple[str, float]:
             backend.allreduce([torch.ones(4 + (rank == 1))], ReduceOp.SUM).wait()
         elif case == "root":
             # Every rank thinks it is the root, so nobody receives during the op itself:
-            # the stray messages are caught by the next collective, at no extra cost.
+            # a peer's message is caught while a rank's own send is under way (seq 1),
+            # or, if that send left first, by the next collective (seq 2), at no extra cost.
             backend.broadcast(t, rank).wait()
             backend.barrier().wait()
         elif case == "redop":
@@ -314,14 +315,15 @@ def _mismatch(rank: int, world: int, case: str) -> tuple[str, float]:
 @pytest.mark.parametrize("case, words", [
     ("kind", ["ALLREDUCE", "BROADCAST"]),
     ("numel", ["numel=4", "numel=5"]),
-    ("root", ["BARRIER", "BROADCAST", "root="]),
+    ("root", ["BROADCAST", "root="]),
     ("redop", ["op=SUM", "op=MAX"]),
     ("dtype", ["torch.int32", "torch.float32"]),
 ])
 def test_mismatched_collectives_raise_on_every_rank(case: str, words: list[str]) -> None:
     for message, elapsed in run_ranks(_mismatch, 2, args=(case,), timeout=60):
         assert elapsed < 5, message
-        assert "mismatch" in message and f"sequence number {2 if case == 'root' else 1}" in message, message
+        seqs = ("sequence number 1", "sequence number 2") if case == "root" else ("sequence number 1",)
+        assert "mismatch" in message and any(seq in message for seq in seqs), message
         assert all(w in message for w in words), message
         assert "rank 0" in message and "rank 1" in message, message
 
