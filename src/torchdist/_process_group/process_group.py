@@ -59,7 +59,7 @@ class ProcessGroup:
         self._shut_down = False
         self._pid = os.getpid()  # the process whose sockets, shared memory and threads these are
         self._generation = _fork_generation
-        self.bound_device_id = None
+        self.bound_device_id = None  # PyTorch's attribute: the accelerator a group is bound to (none here)
 
     # -- identity --------------------------------------------------------------------
     def rank(self) -> int:

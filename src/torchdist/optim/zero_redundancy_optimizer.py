@@ -103,8 +103,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.process_group = process_group if process_group is not None else WORLD.require_default()
         self.world_size = self.process_group.size()
         self.rank = self.process_group.rank()
-        self._optim_constructor = optimizer_class
-        self._optim_defaults = defaults
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._sizes = [0] * self.world_size
         self._rank_of: dict[int, int] = {}  # id(param) -> owning rank

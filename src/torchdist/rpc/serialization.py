@@ -49,7 +49,6 @@ class SendState:
     buffers: list[memoryview] = field(default_factory=list)
     grad_tensors: list[torch.Tensor] = field(default_factory=list)  # requires_grad, in pickle order
     keep_alive: list[Any] = field(default_factory=list)             # tensors backing the buffers
-    after_send: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass

@@ -133,7 +133,6 @@ class TcpBackend(ProcessGroupBackend):
         self._pid = os.getpid()  # (see quiesce)
         self._transport = transport if transport is not None else self._connect()
         self._engine = Engine(self._transport, self._label, idle_step=self._idle_step)
-        self.seq = 0  # collectives issued so far: equal on all ranks that kept in step
         self._issue = threading.Lock()  # makes (seq, queue position) one step
         self._broken: BaseException | None = None
         self._p2p: list[_OpWork] = []  # posted P2P works not yet done (driver thread only)
@@ -156,7 +155,8 @@ class TcpBackend(ProcessGroupBackend):
     def _issue_op(self, op_name: str, outputs: list[torch.Tensor], collective: bool,
                   body: Callable[[_OpWork, int], None], nbytes: int = 0, async_op: bool = False,
                   seconds: float | None = None) -> Work:
-        """Queue (collective) or post (P2P) ``body``; ``seconds``: its timeout, if not the group's."""
+        """Queue (collective) or post (P2P) ``body``. ``nbytes``: a collective's size, which decides
+        whether it starts on the worker at once; ``seconds``: its timeout, if not the group's."""
         if self._broken is not None:
             raise DistBackendError(
                 f"{self._label}: {self._me()} cannot run {op_name}: the group is broken by an earlier "
@@ -418,7 +418,7 @@ class TcpBackend(ProcessGroupBackend):
             else:
                 self._p2p.append(work)
                 self._p2p_due = min(self._p2p_due, work._deadline)
-        return self._issue_op(op_name, [tensor], False, body, tensor.numel() * tensor.element_size(), async_op)
+        return self._issue_op(op_name, [tensor], False, body, async_op=async_op)
 
     def _drive_p2p(self, work: _OpWork, until: float | None = None) -> None:
         """Drive ``work``'s transfer until its deadline, or ``until`` if that is sooner."""
