@@ -5,6 +5,8 @@ import time
 from datetime import timedelta
 
 import pytest
+from types import SimpleNamespace
+
 import torch
 
 import torchdist as dist
@@ -263,6 +265,45 @@ def _init_whose_backend_fails(rank, world_size):
 
 def test_a_failing_backend_raises_its_own_error_and_leaves_nothing_initialized():
     assert run_ranks(_init_whose_backend_fails, 1, timeout=60) == [("_BrokenBackend", False)]
+
+
+def _extended_creator(options, pg_options):
+    """PyTorch's extended_api form: one options object, then the group's pg_options."""
+    from torchdist._process_group.backends.tcp import TcpBackend
+
+    _extended_calls.append((options.group_rank, options.group_size, options.group_id,
+                            options.global_ranks_in_group, options.timeout, pg_options))
+    return TcpBackend(options.store, options.group_rank, options.group_size, options.timeout,
+                      group_name=options.group_id, global_ranks=options.global_ranks_in_group)
+
+
+_extended_calls: list = []
+
+
+def _custom_backends_in_both_forms(rank, world_size):
+    dist.Backend.register_backend("extended_for_test", _extended_creator, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend("plain_for_test", lambda store, r, size, timeout: _extended_creator(
+        SimpleNamespace(store=store, group_rank=r, group_size=size, timeout=timeout, group_id="plain",
+                        global_ranks_in_group=[1, 2]), "plain form"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    results = []
+    for backend, options in (("extended_for_test", {"opt": 1}), ("plain_for_test", None)):
+        group = dist.new_group([1, 2], backend=backend, pg_options=options)
+        if rank in (1, 2):
+            t = torch.full((3,), float(rank))
+            dist.all_reduce(t, group=group)
+            results.append(t.tolist())
+    dist.barrier()  # rank 0 hosts the store the others build their groups through
+    return _extended_calls, results
+
+
+def test_custom_backends_are_called_in_pytorchs_two_forms():
+    calls, results = run_ranks(_custom_backends_in_both_forms, 3, timeout=60)[1]
+    assert results == [[3.0] * 3, [3.0] * 3]
+    (rank, size, group_id, ranks, timeout, options), plain = calls
+    assert (rank, size, ranks, timeout, options) == (0, 2, [1, 2], timedelta(seconds=30), {"opt": 1})
+    assert isinstance(group_id, str) and group_id
+    assert plain[-1] == "plain form"
 
 
 def _group_name_is_ignored(rank, world_size):

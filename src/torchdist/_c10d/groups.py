@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .._process_group.backend import ProcessGroupBackend
 from .._process_group.process_group import ProcessGroup
-from .._process_group.registry import Backend, backend_creator
+from .._process_group.registry import Backend, create_backend
 from .._store.base import as_timedelta
 from .._store.prefix_store import PrefixStore
 from ._args import check_timeout
@@ -39,15 +38,12 @@ def build_group(
     timeout: timedelta,
     group_name: str,
     group_desc: str,
+    pg_options=None,
 ) -> ProcessGroup:
     """Construct this rank's ProcessGroup over global ``ranks`` (group rank i = ranks[i])."""
     store = PrefixStore(f"{group_name}/", WORLD.store)
-    group_rank = ranks.index(my_global_rank)
-    creator = backend_creator(backend)
-    if isinstance(creator, type) and issubclass(creator, ProcessGroupBackend):
-        impl = creator(store, group_rank, len(ranks), timeout, group_name=group_name, global_ranks=ranks)
-    else:  # a user's creator: PyTorch's signature
-        impl = creator(store, group_rank, len(ranks), timeout)
+    impl = create_backend(backend, store, ranks.index(my_global_rank), len(ranks), timeout, group_name=group_name,
+                          global_ranks=ranks, pg_options=pg_options)
     return ProcessGroup(
         impl,
         backend_name=str(Backend(backend)) if backend is not None else _DEFAULT_BACKEND_NAME,
@@ -93,11 +89,11 @@ def new_group(
     me = default.rank()
     if me not in ranks:  # with local synchronization a non-member calls it on its own: PyTorch returns None
         return None if use_local_synchronization else NON_GROUP_MEMBER
-    return _derived_group(default, ranks, me, name, backend, timeout, group_desc or "undefined")
+    return _derived_group(default, ranks, me, name, backend, timeout, group_desc or "undefined", pg_options)
 
 
 def _derived_group(parent: ProcessGroup, ranks: list[int], me: int, name: str, backend: str | None,
-                   timeout: timedelta | None, desc: str) -> ProcessGroup:
+                   timeout: timedelta | None, desc: str, pg_options=None) -> ProcessGroup:
     """Build and register a group made from ``parent``, whose backend and timeout it inherits."""
     if backend is None:
         backend = None if parent.name() == _DEFAULT_BACKEND_NAME else parent.name()
@@ -108,6 +104,7 @@ def _derived_group(parent: ProcessGroup, ranks: list[int], me: int, name: str, b
         timeout=as_timedelta(timeout) if timeout is not None else parent.timeout,
         group_name=name,
         group_desc=desc,
+        pg_options=pg_options,
     )
     WORLD.register(pg)
     return pg
@@ -136,7 +133,7 @@ def new_subgroups_by_enumeration(
     subgroups = []
     me = WORLD.require_default().rank()
     for index, ranks in enumerate(ranks_per_subgroup_list):
-        pg = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
+        pg = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
         subgroups.append(pg)
         if me in ranks:
             mine = pg
@@ -165,7 +162,8 @@ def new_subgroups(
     if len(ranks) % group_size:
         raise ValueError(f"The world size ({len(ranks)}) must be divisible by 'group_size={group_size}'")
     blocks = [ranks[i : i + group_size] for i in range(0, len(ranks), group_size)]
-    return new_subgroups_by_enumeration(blocks, timeout=timeout, backend=backend, group_desc=group_desc)
+    return new_subgroups_by_enumeration(blocks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                        group_desc=group_desc)
 
 
 def split_group(
@@ -205,7 +203,8 @@ def split_group(
     me = parent.global_ranks[parent.rank()]
     # Only this split's members name it, so the name comes from its member list.
     name = WORLD.next_group_name(mine, use_local_synchronization=True)
-    return _derived_group(parent, mine, me, name, backend, timeout, group_desc or f"split of {parent.group_name}")
+    return _derived_group(parent, mine, me, name, backend, timeout, group_desc or f"split of {parent.group_name}",
+                          pg_options)
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:

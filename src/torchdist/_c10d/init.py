@@ -119,6 +119,7 @@ def init_process_group(
             timeout=timeout,
             group_name="0",  # as in torch, the deprecated group_name is ignored: names are counters
             group_desc="default_pg",
+            pg_options=pg_options,
         )
     except BaseException:
         _tear_down()

@@ -1,9 +1,11 @@
 """``Backend``: backend names (a ``str`` subclass, as in PyTorch) and the registry of creators.
 
-A *creator* is a callable ``creator(store, rank, size, timeout)`` returning a
-:class:`~torchdist._process_group.backend.ProcessGroupBackend`. Built-in backends
-register themselves lazily (importing a backend module costs time and may need
-optional libraries); users add theirs with ``Backend.register_backend``.
+A *creator* makes one rank's :class:`~torchdist._process_group.backend.ProcessGroupBackend`.
+Built-in backends are classes, imported on first use (importing a backend module
+costs time and may need optional libraries). Users add theirs with
+``Backend.register_backend`` and get PyTorch's calling forms:
+``creator(store, rank, size, timeout)``, or with ``extended_api=True``
+``creator(DistributedBackendOptions, pg_options)``. :func:`create_backend` calls either.
 
 Names: ``"tcp"`` (sockets), ``"shm"`` (shared memory on one host), ``"auto"`` (the
 default CPU backend), ``"gloo"`` (an alias of the default, so unmodified scripts run),
@@ -16,11 +18,15 @@ without it does.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
 
-__all__ = ["Backend", "BackendConfig", "backend_creator", "is_backend_available", "is_gloo_available",
+from .backend import ProcessGroupBackend
+
+__all__ = ["Backend", "BackendConfig", "DistributedBackendOptions", "create_backend", "is_backend_available", "is_gloo_available",
            "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_xccl_available",
            "get_default_backend_for_device"]
 
@@ -35,7 +41,19 @@ _BUILTIN_CREATORS: dict[str, str] = {
 _DEFAULT_ALIASES = ("auto", "gloo")
 _DEFAULT_CPU_BACKEND = "auto"
 
-_custom_creators: dict[str, Callable] = {}
+_custom_creators: dict[str, tuple[Callable, bool]] = {}  # name -> (creator, extended_api)
+
+
+@dataclass
+class DistributedBackendOptions:
+    """What an ``extended_api`` creator is given (PyTorch's ``_DistributedBackendOptions``)."""
+
+    store: object
+    group_rank: int
+    group_size: int
+    timeout: timedelta
+    group_id: str
+    global_ranks_in_group: list[int]
 
 # PyTorch's backends that torchdist does not provide: what each is, for the error.
 _NOT_BUILT_IN = {
@@ -77,7 +95,10 @@ class Backend(str):
         extended_api: bool = False,
         devices: str | list[str] | None = None,
     ) -> None:
-        """Register ``func(store, rank, size, timeout) -> ProcessGroupBackend`` under ``name``."""
+        """Register ``func`` under ``name``: ``func(store, rank, size, timeout)``, or with
+        ``extended_api`` ``func(DistributedBackendOptions, pg_options)``, returns a
+        ``ProcessGroupBackend``. ``devices`` is accepted for PyTorch's signature: torchdist's
+        collectives take CPU tensors, and every backend gets them."""
         if not callable(func):
             raise TypeError(f"register_backend: the creator for {name!r} must be callable")
         key = name.lower()
@@ -85,7 +106,7 @@ class Backend(str):
             raise ValueError(f"{name.upper()} c10d backend already exist")
         setattr(Backend, name.upper(), key)
         Backend.backend_list.append(key)
-        _custom_creators[key] = func
+        _custom_creators[key] = (func, extended_api)
 
 
 class BackendConfig:
@@ -131,7 +152,7 @@ def resolve_cpu_backend(backend: str | None) -> str:
 
 def is_backend_available(backend: str) -> bool:
     try:
-        backend_creator(backend)
+        _registered(backend)
     except (ValueError, RuntimeError, ImportError):
         return False
     return True
@@ -169,12 +190,27 @@ def get_default_backend_for_device(device: str | torch.device) -> str:
     return Backend.default_device_backend_map[device_type]
 
 
-def backend_creator(name: str) -> Callable:
-    """The creator registered under ``name``; RuntimeError for PyTorch's backends that torchdist
-    does not provide, ValueError for unknown names."""
-    name = resolve_cpu_backend(name)
-    if name in _custom_creators:
-        return _custom_creators[name]
+def create_backend(name: str | None, store, rank: int, size: int, timeout: timedelta, *, group_name: str,
+                   global_ranks: list[int], pg_options=None):
+    """This rank's backend of a new group, from the creator registered under ``name``:
+    RuntimeError for PyTorch's backends that torchdist does not provide, ValueError for
+    unknown names."""
+    creator, extended_api = _registered(name)
+    if isinstance(creator, type) and issubclass(creator, ProcessGroupBackend):  # torchdist's own form
+        return creator(store, rank, size, timeout, group_name=group_name, global_ranks=global_ranks)
+    if extended_api:
+        return creator(DistributedBackendOptions(store, rank, size, timeout, group_name, list(global_ranks)),
+                       pg_options)
+    return creator(store, rank, size, timeout)
+
+
+def _registered(name: str | None) -> tuple[Callable, bool]:
+    """The creator that serves ``name`` and whether it takes PyTorch's extended form."""
+    key = resolve_cpu_backend(name)
+    return _custom_creators.get(key) or (_builtin_class(key), False)
+
+
+def _builtin_class(name: str) -> type:
     target = _BUILTIN_CREATORS.get(name)
     if target is None and name in _NOT_BUILT_IN:
         raise RuntimeError(
