@@ -23,6 +23,7 @@ import torch
 
 from .._transport.base import EMPTY, Transfer
 from .comm import Comm, chunk_bounds
+from .direct import gather
 from .reduction import Combine
 from .ring import ring_reduce_scatter
 
@@ -98,16 +99,10 @@ def binomial_reduce(comm: Comm, flat: torch.Tensor, root: int, combine: Combine)
 
 def ring_reduce(comm: Comm, flat: torch.Tensor, root: int, combine: Combine) -> None:
     """Reduce into the root's ``flat`` by ring reduce-scatter plus a gather of the chunks."""
-    p, r = comm.size, comm.rank
-    chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), p)]
-    mine = torch.empty_like(chunks[r])
+    chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), comm.size)]
+    mine = torch.empty_like(chunks[comm.rank])
     ring_reduce_scatter(comm, chunks, combine, owned=0, output=mine)
-    if r != root:
-        comm.wait(comm.send(root, mine))
-        return
-    receives = [comm.recv(peer, chunks[peer]) for peer in range(p) if peer != root]
-    chunks[r].copy_(mine)
-    comm.wait(*receives)
+    gather(comm, chunks, mine, root)  # the root's chunks are its flat
 
 
 def barrier(comm: Comm) -> None:
