@@ -133,8 +133,7 @@ class PieceReducer:
 
     By default ``acc = acc op incoming``. With ``into_incoming`` the result goes into
     the receive buffer instead, ``incoming = incoming op acc``: the ring uses it to
-    keep a read-only input intact, recursive doubling to put the lower ranks'
-    operand on the left on every rank.
+    keep a read-only input intact.
     """
 
     __slots__ = ("acc", "incoming", "combine", "esize", "piece", "done", "into_incoming")

@@ -57,8 +57,8 @@ reduce             binomial tree                     ring reduce-scatter + gathe
 all-to-all         direct (1 step)                   pairwise exchange
 =================  ================================  ======================================
 
-The gather/scatter-style thresholds (32 KiB per rank, 256 KiB for broadcast) were
-not swept separately: they follow the all-reduce crossover at p = 4.
+The gather/scatter-style thresholds (32 KiB received from all peers together, 256 KiB
+for broadcast) were not swept separately: they follow the all-reduce crossover at p = 4.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ region sets, fingerprints compared at the first step) is described in
   tensor comes out with one ``torch.cat``.
 - ``alltoall``: one empty step (fingerprints), then the transport's messages.
 - Large copies *out* of the regions into the caller's tensors go through
-  ``comm.copy_into`` (one ``memmove``: 20% faster for a 64 MiB broadcast at world 2);
+  ``copy_into`` (``comm.py``: one ``memmove``: 20% faster for a 64 MiB broadcast at world 2);
   copies *into* the regions stay ``Tensor.copy_``, because ``memmove`` there made
   the p = 2 all-reduce 3-10% slower (the peer reads those lines next).
 - ``barrier``: one empty step.

@@ -88,7 +88,7 @@ class ShmBackend(TcpBackend):
     # to the engine's worker costs two thread wake-ups (30-300 us each on the 2-core
     # VM: a 256 KiB all-reduce took 226 us that way, 40 us inline) and buys overlap
     # with compute that competes for the same cores. So when the engine is idle (no
-    # queued op, no pending transfer) a collective runs right here, holding the
+    # queued op, no thread driving the transport) a collective runs right here, holding the
     # engine (``Engine.take``) so nothing else drives the transport, and returns an
     # already completed (or failed) Work. Ops still run in issue order: the engine
     # runs queued ops in that order anyway, so this adds no wait that the engine
@@ -152,7 +152,7 @@ class ShmBackend(TcpBackend):
         error = None
         with self._issue:  # the sequence number and the engine are taken together
             if not self._engine.take():
-                return None  # queued ops or pending transfers: take the ordinary path
+                return None  # queued ops, or another thread drives: take the ordinary path
             seq = self.seq
             self.seq = seq + 1
             try:
