@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from .._process_group.process_group import ProcessGroup
-from .._process_group.registry import Backend, create_backend
+from .._process_group.registry import DEFAULT_CPU_BACKEND, Backend, create_backend
 from .._store.base import as_timedelta
 from .._store.prefix_store import PrefixStore
 from ._args import check_timeout
@@ -26,8 +26,6 @@ __all__ = [
     "get_process_group_ranks",
     "get_pg_count",
 ]
-
-_DEFAULT_BACKEND_NAME = "auto"
 
 
 def build_group(
@@ -46,7 +44,7 @@ def build_group(
                           global_ranks=ranks, pg_options=pg_options)
     return ProcessGroup(
         impl,
-        backend_name=str(Backend(backend)) if backend is not None else _DEFAULT_BACKEND_NAME,
+        backend_name=str(Backend(backend)) if backend is not None else DEFAULT_CPU_BACKEND,
         global_ranks=ranks,
         group_name=group_name,
         group_desc=group_desc,
@@ -96,7 +94,7 @@ def _derived_group(parent: ProcessGroup, ranks: list[int], me: int, name: str, b
                    timeout: timedelta | None, desc: str, pg_options=None) -> ProcessGroup:
     """Build and register a group made from ``parent``, whose backend and timeout it inherits."""
     if backend is None:
-        backend = None if parent.name() == _DEFAULT_BACKEND_NAME else parent.name()
+        backend = None if parent.name() == DEFAULT_CPU_BACKEND else parent.name()
     pg = build_group(
         ranks=ranks,
         my_global_rank=me,

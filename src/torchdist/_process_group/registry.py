@@ -26,7 +26,7 @@ import torch
 
 from .backend import ProcessGroupBackend
 
-__all__ = ["Backend", "BackendConfig", "DistributedBackendOptions", "create_backend", "is_backend_available", "is_gloo_available",
+__all__ = ["Backend", "BackendConfig", "DEFAULT_CPU_BACKEND", "DistributedBackendOptions", "create_backend", "is_backend_available", "is_gloo_available",
            "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_xccl_available",
            "get_default_backend_for_device"]
 
@@ -39,7 +39,7 @@ _BUILTIN_CREATORS: dict[str, str] = {
 }
 # Names that mean "the default CPU backend".
 _DEFAULT_ALIASES = ("auto", "gloo")
-_DEFAULT_CPU_BACKEND = "auto"
+DEFAULT_CPU_BACKEND = "auto"  # what backend=None means: the name a default group reports
 
 _custom_creators: dict[str, tuple[Callable, bool]] = {}  # name -> (creator, extended_api)
 
@@ -139,7 +139,7 @@ class BackendConfig:
 def resolve_cpu_backend(backend: str | None) -> str:
     """The registered name that serves CPU tensors for ``backend`` (None = default)."""
     if backend is None:
-        return _DEFAULT_CPU_BACKEND
+        return DEFAULT_CPU_BACKEND
     config = BackendConfig(backend)
     name = config.device_backend_map.get("cpu")
     if name is None:
@@ -147,7 +147,7 @@ def resolve_cpu_backend(backend: str | None) -> str:
             f"backend {backend!r} names no backend for CPU tensors; torchdist runs on CPU, "
             "so give e.g. 'cpu:gloo' or leave backend=None"
         )
-    return _DEFAULT_CPU_BACKEND if name in _DEFAULT_ALIASES else name
+    return DEFAULT_CPU_BACKEND if name in _DEFAULT_ALIASES else name
 
 
 def is_backend_available(backend: str) -> bool:
