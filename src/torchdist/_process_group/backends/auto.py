@@ -48,13 +48,13 @@ from ...errors import DistBackendError
 from ..._algorithms.comm import Comm, flatten, unflatten_into
 from ..._algorithms.reduction import average
 from ..._store.prefix_store import PrefixStore
-from ..._transport.framing import OpFingerprint, OpKind
+from ..._transport.framing import OpFingerprint
 from ..._transport.shm_segment import supported
 from ..backend import ProcessGroupBackend
 from ..reduce_op import ReduceOp
 from ..work import Work
 from .shm import ShmBackend, exchange_hosts
-from .tcp import TcpBackend
+from .tcp import TcpBackend, allreduce_fingerprint
 
 __all__ = ["AutoBackend", "HierarchicalBackend"]
 
@@ -141,8 +141,7 @@ class HierarchicalBackend(ProcessGroupBackend):
         code, _, premul, is_avg = self.flat._reduction(op, tensors[0].dtype)
         sub_op = ReduceOp.SUM if is_avg or premul is not None else op
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        fingerprint = OpFingerprint.of(OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED,
-                                       tensors[0].dtype, sum(t.numel() for t in tensors), -1, code)
+        fingerprint = allreduce_fingerprint(tensors, code)
 
         def body(work, seq: int) -> None:
             announced = self._announce(seq, fingerprint)

@@ -57,7 +57,7 @@ from ..backend import ProcessGroupBackend
 from ..reduce_op import ReduceOp, RedOpType, as_red_op, reduction_key
 from ..work import Work
 
-__all__ = ["TcpBackend", "memo"]
+__all__ = ["TcpBackend", "memo", "allreduce_fingerprint"]
 
 #: Ops moving at least this many bytes per rank wake the worker at once. Below it a
 #: thread wake-up and the GIL hand-off it causes (measured: 0.1-1.5 ms on the loaded
@@ -116,6 +116,12 @@ def memo(cache: dict, key, make: Callable, *args):
         cache.clear()
     value = cache[key] = make(*args)
     return value
+
+
+def allreduce_fingerprint(tensors: list[torch.Tensor], code: int) -> OpFingerprint:
+    """The fingerprint of an all-reduce of ``tensors`` (several: coalesced into one op)."""
+    kind = OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED
+    return OpFingerprint.of(kind, tensors[0].dtype, sum(t.numel() for t in tensors), -1, code)
 
 
 class TcpBackend(ProcessGroupBackend):
@@ -292,10 +298,8 @@ class TcpBackend(ProcessGroupBackend):
                                 lambda comm: self._algorithms.broadcast(comm, tensor.view(-1), root), async_op)
 
     def allreduce(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work:
-        dtype = tensors[0].dtype
-        code, combine, premul, is_avg = self._reduction(op, dtype)
-        kind = OpKind.ALLREDUCE if len(tensors) == 1 else OpKind.ALLREDUCE_COALESCED
-        fingerprint = OpFingerprint.of(kind, dtype, sum(t.numel() for t in tensors), -1, code)
+        code, combine, premul, is_avg = self._reduction(op, tensors[0].dtype)
+        fingerprint = allreduce_fingerprint(tensors, code)
 
         def run(comm: Comm) -> None:
             # Coalesced: one flat buffer, one algorithm run, copied back per tensor.
