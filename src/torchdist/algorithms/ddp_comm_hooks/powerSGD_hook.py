@@ -63,7 +63,8 @@ def _should_compress(num_rows: int, num_cols: int, rank: int, min_compression_ra
     return compressed * min_compression_rate < uncompressed, uncompressed, compressed
 
 
-def _allreduce_future(tensor: torch.Tensor, group) -> torch.futures.Future:
+def _sum_in_place_async(tensor: torch.Tensor, group) -> torch.futures.Future:
+    """Sum ``tensor`` across ``group`` in place (``_allreduce_fut`` averages it)."""
     return all_reduce(tensor, group=group, async_op=True).get_future()
 
 
@@ -230,13 +231,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         torch.bmm(batch, q, out=p)
 
     # The uncompressed tensors and P go out together; Q needs the reduced P.
-    uncompressed_fut = _allreduce_future(flat_uncompressed, group)
-    _allreduce_future(p_memory, group).wait()
+    uncompressed_fut = _sum_in_place_async(flat_uncompressed, group)
+    _sum_in_place_async(p_memory, group).wait()
     for p in ps:
         _orthogonalize(p, state.orthogonalization_epsilon)
     for batch, p, q in zip(batches, ps, qs):
         torch.bmm(batch.transpose(1, 2), p, out=q)
-    q_fut = _allreduce_future(q_memory, group)
+    q_fut = _sum_in_place_async(q_memory, group)
 
     def decompress(_) -> torch.Tensor:
         reduced = uncompressed_fut.value()[0].div_(world_size)
@@ -292,7 +293,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
         p, q = state.p_memory_dict[index], state.q_memory_dict[index]
     _orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
     torch.matmul(matrix, q, out=p)
-    _allreduce_future(p, group).wait()  # Q needs the reduced P (see the module docstring)
+    _sum_in_place_async(p, group).wait()  # Q needs the reduced P (see the module docstring)
     _orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
     torch.matmul(matrix.t(), p, out=q)
 
@@ -308,4 +309,4 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
         state.maybe_increase_iter(bucket)
         return input_tensor
 
-    return _allreduce_future(q, group).then(decompress)
+    return _sum_in_place_async(q, group).then(decompress)
