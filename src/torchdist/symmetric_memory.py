@@ -55,4 +55,4 @@ def is_symmetric(tensor: torch.Tensor, group: ProcessGroup | None = None) -> boo
     heap = getattr(getattr(pg.backend, "_transport", None), "heap", None) if pg is not None else None
     if heap is None or not tensor.is_contiguous():
         return False
-    return heap.find(tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
+    return heap.find(tensor.data_ptr(), tensor.nbytes) is not None

@@ -20,15 +20,11 @@ __all__ = ["allreduce", "broadcast", "reduce", "allgather", "allgather_into", "r
            "gather", "scatter", "barrier"]
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish | None = None) -> None:
     """``finish`` (see ``reduction.Finish``): the ring and halving-doubling apply it to
     the chunk each rank owns between their two phases; the others, where every rank
     ends with the whole result, to all of it."""
-    algo = allreduce_algo(_nbytes(flat), comm.size)
+    algo = allreduce_algo(flat.nbytes, comm.size)
     if algo is Algo.HALVING_DOUBLING and not halving_doubling.is_power_of_two(comm.size):
         algo = Algo.RING
     if comm.size == 1:
@@ -48,7 +44,7 @@ def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish |
 def broadcast(comm: Comm, flat: torch.Tensor, root: int) -> None:
     if comm.size == 1:
         return
-    if broadcast_algo(_nbytes(flat), comm.size) is Algo.CHAIN:
+    if broadcast_algo(flat.nbytes, comm.size) is Algo.CHAIN:
         tree.chain_broadcast(comm, flat, root, CHAIN_SEGMENT)
     else:
         tree.binomial_broadcast(comm, flat, root)
@@ -57,7 +53,7 @@ def broadcast(comm: Comm, flat: torch.Tensor, root: int) -> None:
 def reduce(comm: Comm, flat: torch.Tensor, root: int, combine: Combine) -> None:
     if comm.size == 1:
         return
-    if reduce_algo(_nbytes(flat), comm.size) is Algo.RING and flat.numel() >= comm.size:
+    if reduce_algo(flat.nbytes, comm.size) is Algo.RING and flat.numel() >= comm.size:
         tree.ring_reduce(comm, flat, root, combine)
     else:
         tree.binomial_reduce(comm, flat, root, combine)
@@ -67,7 +63,7 @@ def allgather(comm: Comm, pieces: list[torch.Tensor]) -> None:
     """``pieces[rank]`` holds this rank's data on entry; all pieces are filled on return."""
     if comm.size == 1:
         return
-    largest = max(_nbytes(piece) for piece in pieces)
+    largest = max(piece.nbytes for piece in pieces)
     if allgather_algo(largest, comm.size) is Algo.RING:
         ring.ring_allgather(comm, pieces, owned=0)
     else:
@@ -84,7 +80,7 @@ def reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combine, out
     if comm.size == 1:
         output.copy_(chunks[0])
         return
-    largest = max(_nbytes(chunk) for chunk in chunks)
+    largest = max(chunk.nbytes for chunk in chunks)
     if reduce_scatter_algo(largest, comm.size) is Algo.RING:
         ring.ring_reduce_scatter(comm, chunks, combine, owned=0, output=output)
     else:
@@ -92,7 +88,7 @@ def reduce_scatter(comm: Comm, chunks: list[torch.Tensor], combine: Combine, out
 
 
 def alltoall(comm: Comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-    largest = max(_nbytes(t) for t in inputs)
+    largest = max(t.nbytes for t in inputs)
     direct.alltoall(comm, outputs, inputs, pairwise=alltoall_pairwise(largest, comm.size))
 
 

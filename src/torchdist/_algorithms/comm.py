@@ -44,7 +44,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     peer reads next it is slower (see ``shm_direct``). Like any ctypes call it
     releases the GIL.
     """
-    nbytes = dst.numel() * dst.element_size()
+    nbytes = dst.nbytes
     if (nbytes < _MEMMOVE_MIN or src.dtype != dst.dtype or src.numel() != dst.numel()
             or not (dst.is_contiguous() and src.is_contiguous())):
         dst.copy_(src)
@@ -74,7 +74,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     The view keeps the tensor (hence its storage) alive: the ctypes array it is
     made from holds a reference, so a transfer can never write to freed memory.
     """
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     if nbytes == 0:
         return EMPTY
     array = _array_type(nbytes).from_address(tensor.data_ptr())

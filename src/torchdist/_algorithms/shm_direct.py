@@ -134,7 +134,7 @@ def _twins(comm: Comm, start: int, nbytes: int, dtype: torch.dtype) -> tuple[lis
 
 
 def _flat_twins(comm: Comm, flat: torch.Tensor) -> tuple[list[torch.Tensor] | None, int]:
-    return _twins(comm, flat.data_ptr(), flat.numel() * flat.element_size(), flat.dtype)
+    return _twins(comm, flat.data_ptr(), flat.nbytes, flat.dtype)
 
 
 def allreduce(comm: Comm, flat: torch.Tensor, combine: Combine, finish: Finish | None = None) -> None:

@@ -47,10 +47,6 @@ import torch
 __all__ = ["Bucket", "GradBucket", "assign_buckets"]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int],
                    solo_bytes: int | None = None,
                    sparse: Sequence[bool] | None = None) -> list[tuple[list[int], bool]]:
@@ -71,7 +67,7 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     result: list[tuple[list[int], bool]] = []
     for index in order:
         p = params[index]
-        key, nbytes = p.dtype, _nbytes(p)
+        key, nbytes = p.dtype, p.nbytes
         if sparse is not None and sparse[index]:
             result.append(([index], True))
             continue

@@ -55,7 +55,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group,
     for t in tensors:
         chunk, size = open_chunks.setdefault(t.dtype, ([], [0]))
         chunk.append(t)
-        size[0] += t.numel() * t.element_size()
+        size[0] += t.nbytes
         if size[0] >= buffer_size:
             chunks.append(chunk)
             del open_chunks[t.dtype]

@@ -140,7 +140,7 @@ class HierarchicalBackend(ProcessGroupBackend):
         # before anything is sent, as on the flat group's own ops.
         code, _, premul, is_avg = self.flat._reduction(op, tensors[0].dtype)
         sub_op = ReduceOp.SUM if is_avg or premul is not None else op
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(t.nbytes for t in tensors)
         fingerprint = allreduce_fingerprint(tensors, code)
 
         def body(work, seq: int) -> None:

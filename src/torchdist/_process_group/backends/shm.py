@@ -108,7 +108,7 @@ class ShmBackend(TcpBackend):
 
     def _runs_inline(self, outputs: list[torch.Tensor]) -> bool:
         """Whether an ``async_op=True`` op on ``outputs`` runs on the caller's thread (see above)."""
-        if self._transport.board.spare_cores and sum(t.numel() * t.element_size() for t in outputs) >= WAKE_BYTES:
+        if self._transport.board.spare_cores and sum(t.nbytes for t in outputs) >= WAKE_BYTES:
             return False
         return self._transport.steps.peers_inside()
 

@@ -197,7 +197,7 @@ class TcpBackend(ProcessGroupBackend):
 
         def body(work: _OpWork, seq: int) -> None:
             run(Comm(self._transport, seq, fingerprint, time.monotonic() + limit, self._scratch))
-        nbytes = sum(t.numel() * t.element_size() for t in outputs)
+        nbytes = sum(t.nbytes for t in outputs)
         return self._issue_op(op_name, outputs, True, body, nbytes, async_op, seconds)
 
     def _help(self, work: _OpWork, until: float | None) -> None:

@@ -426,6 +426,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             "static_graph": int(self.static_graph),
             "broadcast_buffers": int(self.broadcast_buffers),
             "num_parameter_tensors": len(self._module_params),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._module_params),
+            "total_parameter_size_bytes": sum(p.nbytes for p in self._module_params),
             **self.reducer.logging_data(),
         }
