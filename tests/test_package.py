@@ -18,7 +18,8 @@ ALLOWED_INTERNAL_IMPORTS = {
     "_process_group": {"errors", "_store", "_transport", "_algorithms", "_process_group"},
     "_c10d": {"errors", "_store", "_process_group", "_c10d"},
     "symmetric_memory": {"errors", "_c10d", "_process_group"},
-    "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "_ddp"},
+    # DDP averages gradients in a distributed autograd context too, as PyTorch's reducer does.
+    "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "autograd", "_ddp"},
     "algorithms": {"errors", "_c10d", "_process_group", "_ddp", "algorithms"},
     "nn": {"errors", "_c10d", "_process_group", "_ddp", "algorithms", "nn"},
     "utils": {"errors", "_c10d", "utils"},

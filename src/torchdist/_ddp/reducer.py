@@ -29,7 +29,11 @@ Parallel Training" (VLDB 2020), section 3.2 and Algorithm 1:
   every bucket in order and writes each one's averaged gradients back to
   ``.grad`` as soon as it is reduced (nothing to write for a solo bucket);
 - after the first iteration the buckets are rebuilt in the order the gradients
-  actually arrived, rank 0's order broadcast so that all ranks agree.
+  actually arrived, rank 0's order broadcast so that all ranks agree;
+- under distributed autograd (``torchdist.autograd.backward``) gradients go to the
+  backward's context, never to ``.grad``: the engine runs a second hook per
+  parameter (``autograd.engine.register_post_accumulate_hook``), and the reducer
+  reads and writes the gradients there (``_grad``, ``_set_grad``), as PyTorch's.
 
 Iteration state machine (``prepare_for_backward`` is called by DDP's forward)::
 
@@ -64,6 +68,7 @@ from typing import Callable, Sequence
 import torch
 
 from .._algorithms.shm_direct import SMALL_BYTES
+from ..autograd.engine import accumulating_context, register_post_accumulate_hook
 from .._c10d.collectives import broadcast
 from .._c10d.sparse import sparse_all_reduce
 from .._process_group.reduce_op import ReduceOp
@@ -160,6 +165,7 @@ class Reducer:
         self._divisor: int | None = None
         self._join_work = None
         self._divide_by_initial_world_size = True
+        self._context = None  # the distributed autograd context this backward's gradients are in
         # static graph: hook counts recorded in the first iteration
         self._static_done = False
         self._counts = [0] * n
@@ -176,7 +182,9 @@ class Reducer:
         self._handles: list = []  # before anything can fail: __del__ removes them
         self._build(list(reversed(range(n))))
         ref = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(_grad_hook(ref, i)) for i, p in enumerate(self._params)]
+        for i, p in enumerate(self._params):
+            self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(ref, i)))
+            self._handles.append(register_post_accumulate_hook(p, _grad_hook(ref, i)))
 
     # -- buckets ---------------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -323,6 +331,7 @@ class Reducer:
         self._next_bucket = 0
         self._used_work = None
         self._divisor = None
+        self._context = None
         for bucket in self._buckets:
             bucket.reset()
         if self._should_rebuild() and self._rebuild_order is None:
@@ -355,7 +364,8 @@ class Reducer:
 
     def _on_grad(self, index: int) -> None:
         """The autograd hook of parameter ``index``: its gradient has been accumulated."""
-        if self._tracks_used() and self._params[index].grad is not None:
+        self._context = accumulating_context()
+        if self._tracks_used() and self._grad(self._params[index]) is not None:
             # Locally used, also in a no_sync backward: the next synced backward reduces
             # what accumulated. (A hook may fire without a gradient, for an output the
             # loss did not use: that is no use, and .grad stays None, as in PyTorch.)
@@ -447,7 +457,7 @@ class Reducer:
         parameter contributes the gradient it holds (accumulated under no_sync, or
         left from an earlier iteration), zeros if none, as PyTorch's reducer does."""
         p = bucket.params[slot]
-        grad = p.grad
+        grad = self._grad(p)
         if bucket.sparse:
             self._take_sparse(bucket)
             return
@@ -472,7 +482,7 @@ class Reducer:
             if self._config.gradient_as_bucket_view:
                 if grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)
-                    p.grad = view
+                    self._set_grad(p, view)
                 if factor is not None and factor != 1:
                     view.div_(factor)
             elif factor is not None and factor != 1:
@@ -484,7 +494,7 @@ class Reducer:
         """A sparse bucket's buffer: the parameter's sparse gradient divided as a dense one
         would be (SUM is the only reduction of sparse tensors), or no entries if none."""
         p, name = bucket.params[0], self._names[bucket.param_indices[0]]
-        grad = p.grad
+        grad = self._grad(p)
         if grad is None:
             bucket.buffer = _no_entries(p)
             return
@@ -625,21 +635,31 @@ class Reducer:
             return  # reduced in place: .grad holds the average already
         if bucket.sparse:
             if used is None or used[bucket.param_indices[0]]:
-                bucket.params[0].grad = bucket.buffer
+                self._set_grad(bucket.params[0], bucket.buffer)
             return
         as_view = self._config.gradient_as_bucket_view
         with torch.no_grad():
             for p, index, view in zip(bucket.params, bucket.param_indices, bucket.views):
                 if used is not None and not used[index]:
                     continue  # unused on every rank: the gradient stays as it was (None)
-                grad = p.grad
+                grad = self._grad(p)
                 if as_view:
                     if grad is None or grad.data_ptr() != view.data_ptr():
-                        p.grad = view
+                        self._set_grad(p, view)
                 elif grad is None or grad.is_sparse:
-                    p.grad = view.clone()
+                    self._set_grad(p, view.clone())
                 else:
                     grad.copy_(view)
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient in this backward: ``.grad``, or the distributed autograd context's."""
+        return p.grad if self._context is None else self._context.gradient(p)
+
+    def _set_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._context is None:
+            p.grad = grad
+        else:
+            self._context.set_gradient(p, grad)
 
     # -- introspection and teardown -----------------------------------------------------------
     def logging_data(self) -> dict:

@@ -72,6 +72,16 @@ class DistAutogradContext:
             old = self.grads.get(leaf)
             self.grads[leaf] = grad.detach().clone() if old is None else old + grad.detach()
 
+    def gradient(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """``leaf``'s gradient in this context so far (what ``get_gradients`` reports)."""
+        with self.lock:
+            return self.grads.get(leaf)
+
+    def set_gradient(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        """Replace ``leaf``'s gradient (DDP writes the averaged one back here)."""
+        with self.lock:
+            self.grads[leaf] = grad
+
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.context_id}, sends={len(self.sends)}, grads={len(self.grads)})"
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 import traceback
 from typing import Any
 
@@ -62,7 +63,7 @@ import torch
 from .context import DistAutogradContext, container
 
 __all__ = ["FREED_GRAPH_MESSAGE", "backward", "record_send", "recv_hook", "backward_from_send", "finish_backward",
-           "release_remote"]
+           "release_remote", "register_post_accumulate_hook", "accumulating_context"]
 
 #: PyTorch's message for a backward through a graph whose saved tensors were freed.
 FREED_GRAPH_MESSAGE = (
@@ -72,6 +73,7 @@ FREED_GRAPH_MESSAGE = (
     "you need to access saved tensors after calling backward.")
 _FREED_KEY = "torchdist.autograd.freed"  # in node.metadata: a backward with retain_graph=False walked it
 _SAVED_PREFIX = "_raw_saved_"  # attributes of built-in nodes that hold saved tensors
+_POST_ACCUMULATE_HOOKS = "_td_context_post_accumulate_hooks"  # a leaf's attribute: {handle id: hook}
 _saves_by_type: dict[type, bool] = {}
 _backward_ids = itertools.count(1)
 
@@ -182,6 +184,45 @@ def _walk(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, Any]
     return list(leaves.values()), saving
 
 
+def register_post_accumulate_hook(leaf: torch.Tensor, hook) -> torch.utils.hooks.RemovableHandle:
+    """Call ``hook(leaf)`` each time a distributed backward has added a gradient of ``leaf``
+    to its context, with :func:`accumulating_context` naming that context meanwhile.
+
+    ``Tensor.register_post_accumulate_grad_hook`` for the gradients a distributed backward
+    keeps in its context (it never touches ``.grad``): the hook PyTorch's DDP reducer puts
+    on every parameter's AccumulateGrad node, which PyTorch's distributed engine runs, so
+    that DDP averages a model's gradients in the context too."""
+    hooks = leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)
+    if hooks is None:
+        hooks = OrderedDict()  # RemovableHandle needs a dict it can reference weakly
+        setattr(leaf, _POST_ACCUMULATE_HOOKS, hooks)
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def accumulating_context() -> DistAutogradContext | None:
+    """The context whose backward is running a post-accumulate hook on this thread, else None."""
+    return getattr(_pass_local, "accumulating", None)
+
+
+def _capture(context: DistAutogradContext, leaf: torch.Tensor, hooks: dict):
+    """A tensor hook on ``leaf`` for one local pass: add the gradient to the context, then
+    run ``leaf``'s post-accumulate hooks while the pass is still running (so that they
+    may queue callbacks on the autograd engine, as DDP's reducer does)."""
+    def capture(grad: torch.Tensor) -> torch.Tensor:
+        context.accumulate(leaf, grad)
+        previous = accumulating_context()
+        _pass_local.accumulating = context
+        try:
+            for hook in list(hooks.values()):
+                hook(leaf)
+        finally:
+            _pass_local.accumulating = previous
+        return grad
+    return capture
+
+
 class _PassError(Exception):
     """A local pass failed; ``message`` starts with ``Error on Node <this worker>: ``."""
 
@@ -201,16 +242,23 @@ def _local_pass(context: DistAutogradContext, roots: list[torch.Tensor], grads: 
         previous = getattr(_pass_local, "current", None)
         _pass_local.current = current
         context.current_pass = current
+        # Leaves with post-accumulate hooks (DDP's parameters) get their gradient in the
+        # context, and their hooks run, as it arrives; the others' once the pass is done.
+        captures = [leaf.register_hook(_capture(context, leaf, leaf.__dict__[_POST_ACCUMULATE_HOOKS]))
+                    for leaf in leaves if leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)]
         try:
             results = (torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
                        if leaves else ())
         finally:
             _pass_local.current = previous
+            for handle in captures:
+                handle.remove()
     except Exception as exc:  # noqa: BLE001 - a user's backward may raise anything; PyTorch reports it so
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         raise _PassError(f"{label}{exc}\n{text}") from exc
     for leaf, grad in zip(leaves, results):
-        if grad is not None and leaf.grad_fn is None and not _is_anchor(leaf):
+        if (grad is not None and leaf.grad_fn is None and not _is_anchor(leaf)
+                and not leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)):
             context.accumulate(leaf, grad)
     errors = []
     for future in current.futures:  # the passes this one started on other workers
