@@ -59,6 +59,7 @@ import traceback
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .context import DistAutogradContext, container
 
@@ -73,7 +74,8 @@ FREED_GRAPH_MESSAGE = (
     "you need to access saved tensors after calling backward.")
 _FREED_KEY = "torchdist.autograd.freed"  # in node.metadata: a backward with retain_graph=False walked it
 _SAVED_PREFIX = "_raw_saved_"  # attributes of built-in nodes that hold saved tensors
-_POST_ACCUMULATE_HOOKS = "_td_context_post_accumulate_hooks"  # a leaf's attribute: {handle id: hook}
+# leaf -> {handle id: hook}. Not an attribute of the leaf: that would be pickled with it.
+_post_accumulate_hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _saves_by_type: dict[type, bool] = {}
 _backward_ids = itertools.count(1)
 
@@ -192,10 +194,9 @@ def register_post_accumulate_hook(leaf: torch.Tensor, hook) -> torch.utils.hooks
     keeps in its context (it never touches ``.grad``): the hook PyTorch's DDP reducer puts
     on every parameter's AccumulateGrad node, which PyTorch's distributed engine runs, so
     that DDP averages a model's gradients in the context too."""
-    hooks = leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)
+    hooks = _post_accumulate_hooks.get(leaf)
     if hooks is None:
-        hooks = OrderedDict()  # RemovableHandle needs a dict it can reference weakly
-        setattr(leaf, _POST_ACCUMULATE_HOOKS, hooks)
+        hooks = _post_accumulate_hooks[leaf] = OrderedDict()  # RemovableHandle references it weakly
     handle = torch.utils.hooks.RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
@@ -244,8 +245,8 @@ def _local_pass(context: DistAutogradContext, roots: list[torch.Tensor], grads: 
         context.current_pass = current
         # Leaves with post-accumulate hooks (DDP's parameters) get their gradient in the
         # context, and their hooks run, as it arrives; the others' once the pass is done.
-        captures = [leaf.register_hook(_capture(context, leaf, leaf.__dict__[_POST_ACCUMULATE_HOOKS]))
-                    for leaf in leaves if leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)]
+        hooked = [(leaf, _post_accumulate_hooks.get(leaf)) for leaf in leaves]
+        captures = [leaf.register_hook(_capture(context, leaf, hooks)) for leaf, hooks in hooked if hooks]
         try:
             results = (torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
                        if leaves else ())
@@ -256,9 +257,8 @@ def _local_pass(context: DistAutogradContext, roots: list[torch.Tensor], grads: 
     except Exception as exc:  # noqa: BLE001 - a user's backward may raise anything; PyTorch reports it so
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         raise _PassError(f"{label}{exc}\n{text}") from exc
-    for leaf, grad in zip(leaves, results):
-        if (grad is not None and leaf.grad_fn is None and not _is_anchor(leaf)
-                and not leaf.__dict__.get(_POST_ACCUMULATE_HOOKS)):
+    for (leaf, hooks), grad in zip(hooked, results):
+        if grad is not None and leaf.grad_fn is None and not _is_anchor(leaf) and not hooks:
             context.accumulate(leaf, grad)
     errors = []
     for future in current.futures:  # the passes this one started on other workers
