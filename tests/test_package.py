@@ -21,7 +21,7 @@ ALLOWED_INTERNAL_IMPORTS = {
     # DDP averages gradients in a distributed autograd context too, as PyTorch's reducer does.
     "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "autograd", "_ddp"},
     "algorithms": {"errors", "_c10d", "_process_group", "_ddp", "algorithms"},
-    "nn": {"errors", "_c10d", "_process_group", "_ddp", "algorithms", "nn"},
+    "nn": {"errors", "_c10d", "_process_group", "_ddp", "algorithms", "rpc", "nn"},  # RemoteModule runs on RPC
     "utils": {"errors", "_c10d", "utils"},
     # RPC and distributed autograd are one layer, as in PyTorch: RPC records the
     # autograd edges of the tensors it carries, and backward travels as RPCs.
