@@ -68,10 +68,10 @@ from typing import Callable, Sequence
 import torch
 
 from .._algorithms.shm_direct import SMALL_BYTES
-from ..autograd.engine import accumulating_context, register_post_accumulate_hook
 from .._c10d.collectives import broadcast
 from .._c10d.sparse import sparse_all_reduce
 from .._process_group.reduce_op import ReduceOp
+from ..autograd.engine import accumulating_context, register_post_accumulate_hook
 from .bucket import Bucket, GradBucket, assign_buckets
 from .config import DDPConfig
 

@@ -26,9 +26,9 @@ import torch
 
 from .backend import ProcessGroupBackend
 
-__all__ = ["Backend", "BackendConfig", "DEFAULT_CPU_BACKEND", "DistributedBackendOptions", "create_backend", "is_backend_available", "is_gloo_available",
-           "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_xccl_available",
-           "get_default_backend_for_device"]
+__all__ = ["Backend", "BackendConfig", "DEFAULT_CPU_BACKEND", "DistributedBackendOptions", "create_backend",
+           "is_backend_available", "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_ucc_available",
+           "is_xccl_available", "get_default_backend_for_device"]
 
 # Built-in backends: name -> "module:attribute" of the creator, imported on first use.
 _BUILTIN_CREATORS: dict[str, str] = {

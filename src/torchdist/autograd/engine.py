@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 import traceback
+from collections import OrderedDict
 from typing import Any
 
 import torch
