@@ -165,6 +165,23 @@ def test_premul_sums_with_different_factors_are_different_reductions(backend):
     assert run_ranks(_premul_factors, 2, backend=backend, timeout=60) == [[4.0, 6.0, 1.0, 0.5]] * 2
 
 
+def _premul_without_factor(rank, world):
+    refused = []
+    for call in (lambda t: dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM),
+                 lambda t: dist.reduce(t, 0, op=dist.ReduceOp.PREMUL_SUM),
+                 lambda t: dist.reduce_scatter_tensor(torch.ones(1), t, op=dist.ReduceOp.PREMUL_SUM)):
+        with pytest.raises(TypeError, match="PREMUL_SUM needs its factor"):
+            call(torch.ones(world))
+        refused.append(True)
+    return refused
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_premul_sum_without_its_factor_is_refused_as_in_pytorch(backend):
+    """torch's binding refuses a bare ReduceOp.PREMUL_SUM with TypeError; it is not a SUM."""
+    assert run_ranks(_premul_without_factor, 2, backend=backend, timeout=60) == [[True] * 3] * 2
+
+
 def _premul_reduce(rank, world):
     t = torch.tensor([1.0, 2.0, 3.0])
     dist.reduce(t, dst=0, op=dist.ReduceOp.PREMUL_SUM(2.0))

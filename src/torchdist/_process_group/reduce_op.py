@@ -91,10 +91,14 @@ class ReduceOp(metaclass=_ReduceOpMeta):
 def as_red_op(op: "ReduceOp | RedOpType | int") -> tuple[RedOpType, float | None]:
     """Normalize any accepted spelling of an op to (kind, premul factor)."""
     if type.__instancecheck__(ReduceOp, op):
-        return op.op, op.factor
-    if isinstance(op, RedOpType):  # not a plain int: PyTorch's binding refuses those too
-        return op, None
-    raise TypeError(f"op must be a torchdist.ReduceOp, got {type(op).__name__}")
+        kind, factor = op.op, op.factor
+    elif isinstance(op, RedOpType):  # not a plain int: PyTorch's binding refuses those too
+        kind, factor = op, None
+    else:
+        raise TypeError(f"op must be a torchdist.ReduceOp, got {type(op).__name__}")
+    if kind is RedOpType.PREMUL_SUM and factor is None:  # PyTorch's binding refuses it (TypeError)
+        raise TypeError("ReduceOp.PREMUL_SUM needs its factor: pass torchdist._make_nccl_premul_sum(factor)")
+    return kind, factor
 
 
 def reduction_key(op: "ReduceOp | RedOpType") -> "RedOpType | tuple":
