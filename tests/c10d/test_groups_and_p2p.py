@@ -460,3 +460,25 @@ def test_dead_rank_is_named_within_seconds():
         message = str(outcomes[rank].result)
         seconds = float(message.split()[0])
         assert seconds < 10 and "rank 1" in message, message
+
+
+def _through_distributed_c10d(rank, world):
+    """mmengine's calls: dist.distributed_c10d._get_default_group() and _rank_not_in_group(group)."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    group = dist.new_group([0, 1])
+    global_rank = 1
+    if rank < 2:
+        with pytest.warns(FutureWarning, match="get_global_rank"):
+            global_rank = c10d._get_global_rank(group, 1)
+    return (default is dist.group.WORLD, c10d._get_group_size(None), c10d._rank_not_in_group(group),
+            c10d._rank_not_in_group(None), global_rank, c10d._get_default_store() is not None,
+            c10d.all_reduce is dist.all_reduce)
+
+
+def test_distributed_c10d_path_and_the_private_helpers_libraries_call():
+    assert set(dist.distributed_c10d.__all__) <= set(dist.__all__)
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        dist.distributed_c10d._get_default_group()
+    results = run_ranks(_through_distributed_c10d, 3, backend="tcp")
+    assert results == [(True, 3, False, False, 1, True, True)] * 2 + [(True, 3, True, False, 1, True, True)]
