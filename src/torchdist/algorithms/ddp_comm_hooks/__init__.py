@@ -2,14 +2,16 @@
 
 Register one with ``ddp_model.register_comm_hook(state, hook)``, or by type with
 ``register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, ddp_model)``.
-PyTorch's quantization hooks and post-local-SGD are not provided (see
-docs/design/ddp.md).
+Post-local SGD is the submodule ``post_localSGD_hook`` (with
+``torchdist.algorithms.model_averaging``), as in PyTorch. Not provided: the
+ZeroRedundancyOptimizer overlap hooks (``ddp_zero_hook``), the CUDA-stream
+mixed-precision hook and the optimizer-overlap hooks (see docs/design/ddp.md).
 """
 
 import enum
 from functools import partial
 
-from . import debugging_hooks, default_hooks, powerSGD_hook
+from . import debugging_hooks, default_hooks, powerSGD_hook, quantization_hooks
 from .default_hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -18,13 +20,16 @@ from .default_hooks import (
     fp16_compress_wrapper,
 )
 from .powerSGD_hook import PowerSGDState, batched_powerSGD_hook
+from .quantization_hooks import quantization_perchannel_hook, quantization_pertensor_hook
 
-debugging, default, powerSGD = debugging_hooks, default_hooks, powerSGD_hook  # PyTorch's short names too
+# PyTorch's short names too
+debugging, default, powerSGD, quantization = debugging_hooks, default_hooks, powerSGD_hook, quantization_hooks
 
 __all__ = [
-    "BuiltinCommHookType", "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook", "debugging_hooks",
-    "debugging", "default", "powerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-    "fp16_compress_wrapper", "bf16_compress_wrapper", "PowerSGDState", "batched_powerSGD_hook",
+    "BuiltinCommHookType", "DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "powerSGD_hook",
+    "debugging_hooks", "quantization_hooks", "debugging", "default", "powerSGD", "quantization", "allreduce_hook",
+    "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper", "PowerSGDState",
+    "batched_powerSGD_hook", "quantization_pertensor_hook", "quantization_perchannel_hook",
 ]
 
 
@@ -60,6 +65,10 @@ class DDPCommHookType(enum.Enum):
     ALLREDUCE = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.allreduce_hook))
     FP16_COMPRESS = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.fp16_compress_hook))
     BF16_COMPRESS = _member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.bf16_compress_hook))
+    QUANTIZE_PER_TENSOR = _member(partial(_ddp_comm_hook_wrapper,
+                                          comm_hook=quantization_hooks.quantization_pertensor_hook))
+    QUANTIZE_PER_CHANNEL = _member(partial(_ddp_comm_hook_wrapper,
+                                           comm_hook=quantization_hooks.quantization_perchannel_hook))
     POWER_SGD = _member(partial(_powerSGD_comm_hook_wrapper, comm_hook=powerSGD_hook.powerSGD_hook,
                                 matrix_approximation_rank=1))
     POWER_SGD_RANK2 = _member(partial(_powerSGD_comm_hook_wrapper, comm_hook=powerSGD_hook.powerSGD_hook,
