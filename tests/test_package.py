@@ -19,6 +19,7 @@ ALLOWED_INTERNAL_IMPORTS = {
     "_c10d": {"errors", "_store", "_process_group", "_c10d"},
     "distributed_c10d": {"errors", "_store", "_process_group", "_c10d"},  # PyTorch's module path of the c10d API
     "symmetric_memory": {"errors", "_c10d", "_process_group"},
+    "device_mesh": {"errors", "_c10d", "_process_group", "device_mesh"},
     # DDP averages gradients in a distributed autograd context too, as PyTorch's reducer does.
     "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "autograd", "_ddp"},
     "algorithms": {"errors", "_c10d", "_process_group", "_ddp", "algorithms"},

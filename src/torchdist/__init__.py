@@ -16,7 +16,8 @@ from ._ddp.bucket import GradBucket
 from .nn.parallel import DistributedDataParallel
 from .algorithms.ddp_comm_hooks import BuiltinCommHookType
 from .utils.data import DistributedSampler
-from . import algorithms, autograd, nn, optim, rpc, symmetric_memory, utils
+from . import algorithms, autograd, device_mesh, nn, optim, rpc, symmetric_memory, utils
+from .device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     # errors
@@ -28,6 +29,8 @@ __all__ = [
     *distributed_c10d.__all__, "distributed_c10d",
     # data parallel
     "BuiltinCommHookType", "DistributedDataParallel", "DistributedSampler", "GradBucket",
-    # subpackages: torch.distributed.{algorithms, autograd, optim, rpc}, torch.nn, torch.utils.data
-    "algorithms", "autograd", "nn", "optim", "rpc", "utils",
+    # device meshes, re-exported at the top as torch.distributed does
+    "DeviceMesh", "init_device_mesh",
+    # subpackages: torch.distributed.{algorithms, autograd, device_mesh, optim, rpc}, torch.nn, torch.utils.data
+    "algorithms", "autograd", "device_mesh", "nn", "optim", "rpc", "utils",
 ]
