@@ -391,7 +391,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from ...algorithms.ddp_comm_hooks import BuiltinCommHookType, DDPCommHookType, register_ddp_comm_hook
         if not isinstance(comm_hook_type, BuiltinCommHookType):
-            raise TypeError(f"_register_builtin_comm_hook takes a torchdist.BuiltinCommHookType, got {comm_hook_type!r}")
+            raise TypeError("_register_builtin_comm_hook takes a torchdist.BuiltinCommHookType, "
+                            f"got {comm_hook_type!r}")
         register_ddp_comm_hook(DDPCommHookType[comm_hook_type.name], self)
 
     # -- configuration and introspection --------------------------------------------------------
