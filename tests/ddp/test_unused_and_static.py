@@ -41,6 +41,22 @@ def _unused(rank, world_size):
     return grads
 
 
+def _all_used(rank, world_size):
+    import warnings
+
+    ddp = DDP(nn.Linear(4, 4), find_unused_parameters=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ddp(torch.ones(2, 4)).sum().backward()
+    return [str(w.message)[:60] for w in caught if "find_unused_parameters" in str(w.message)]
+
+
+def test_find_unused_parameters_that_finds_none_warns_once_as_pytorch():
+    expected = ["find_unused_parameters=True was specified in DDP constructor"]
+    assert run_ranks(_all_used, 2, backend="gloo") == [expected, expected]
+
+
 def test_find_unused_parameters_averages_partially_used_and_leaves_unused_none():
     results = run_ranks(_unused, 2, backend="gloo")
     torch.manual_seed(0)

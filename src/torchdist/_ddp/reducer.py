@@ -61,7 +61,9 @@ splitting it would spread the invariants over several files.
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 import weakref
 from typing import Callable, Sequence
 
@@ -90,12 +92,25 @@ _UNUSED_HINT = (
     "the loss function and the structure of the return value of `forward` of your module when reporting this "
     "issue (e.g. list, dict, iterable).")
 
+_ALL_USED_WARNING = (
+    "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters in the "
+    "forward pass. This flag results in an extra traversal of the autograd graph every iteration,  which can "
+    "adversely affect performance. If your model indeed never has any unused parameters in the forward pass, "
+    "consider turning this flag off. Note that this warning may be a false positive if your model has flow control "
+    "causing later iterations to have unused parameters.")
+
 _UNUSED_THEN_USED = (
     "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but "
     "then got used in the second iteration. this is not compatible with static_graph set to True.")
 _GRAPH_CHANGED = (
     "your training graph has changed in this iteration, e.g., one parameter is used in first iteration, but then "
     "got unused in the second iteration. this is not compatible with static_graph set to True.")
+
+
+@functools.cache
+def _warn_all_used() -> None:
+    """PyTorch's warning when find_unused_parameters finds nothing, once per process (TORCH_WARN_ONCE)."""
+    warnings.warn(_ALL_USED_WARNING, UserWarning, stacklevel=2)
 
 
 def _no_entries(param: torch.Tensor) -> torch.Tensor:
@@ -354,6 +369,8 @@ class Reducer:
         unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
         if unused:
             logger.debug("reducer: unused parameters this iteration: %s", [self._names[i] for i in unused])
+        else:
+            _warn_all_used()
         return unused
 
     def queue_finalize(self) -> None:
