@@ -84,7 +84,9 @@ def _get_global_rank(group: ProcessGroup, rank: int) -> int:
 
 
 def _get_process_group_name(pg: ProcessGroup) -> str:
-    return pg.group_name
+    """A registered group's name; "None" for anything else (None, a non-member's marker, a destroyed group)."""
+    name = getattr(pg, "group_name", None)
+    return name if name is not None and WORLD.groups.get(name) is pg else "None"
 
 
 def _get_pg_default_device(group: ProcessGroup | None = None) -> torch.device:

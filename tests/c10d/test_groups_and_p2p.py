@@ -473,7 +473,9 @@ def _through_distributed_c10d(rank, world):
             global_rank = c10d._get_global_rank(group, 1)
     return (default is dist.group.WORLD, c10d._get_group_size(None), c10d._rank_not_in_group(group),
             c10d._rank_not_in_group(None), global_rank, c10d._get_default_store() is not None,
-            c10d.all_reduce is dist.all_reduce)
+            c10d.all_reduce is dist.all_reduce,
+            c10d._get_process_group_name(group) == (group.group_name if rank < 2 else "None"),
+            c10d._get_process_group_name(None))
 
 
 def test_distributed_c10d_path_and_the_private_helpers_libraries_call():
@@ -481,4 +483,5 @@ def test_distributed_c10d_path_and_the_private_helpers_libraries_call():
     with pytest.raises(ValueError, match="Default process group has not been initialized"):
         dist.distributed_c10d._get_default_group()
     results = run_ranks(_through_distributed_c10d, 3, backend="tcp")
-    assert results == [(True, 3, False, False, 1, True, True)] * 2 + [(True, 3, True, False, 1, True, True)]
+    assert results == [(True, 3, False, False, 1, True, True, True, "None")] * 2 + [
+        (True, 3, True, False, 1, True, True, True, "None")]
