@@ -485,3 +485,20 @@ def test_distributed_c10d_path_and_the_private_helpers_libraries_call():
     results = run_ranks(_through_distributed_c10d, 3, backend="tcp")
     assert results == [(True, 3, False, False, 1, True, True, True, "None")] * 2 + [
         (True, 3, True, False, 1, True, True, True, "None")]
+
+
+def _late_on_a_group_without_timeout(rank, world):
+    dist.init_process_group("tcp", timeout=timedelta(seconds=2))
+    group = dist.new_group([0, 1])  # no timeout: PyTorch's default (30 min), not the 2 s of the default group
+    if rank == 1:
+        time.sleep(4)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    timeouts = (group.timeout, dist.new_group([0, 1], timeout=timedelta(seconds=7)).timeout)
+    dist.destroy_process_group()
+    return t.item(), timeouts
+
+
+def test_a_group_made_without_a_timeout_waits_pytorchs_default_not_its_parents():
+    results = run_ranks(_late_on_a_group_without_timeout, 2, timeout=60)
+    assert results == [(2.0, (timedelta(minutes=30), timedelta(seconds=7)))] * 2

@@ -25,7 +25,13 @@ __all__ = [
     "get_global_rank",
     "get_process_group_ranks",
     "get_pg_count",
+    "default_pg_timeout",
 ]
+
+
+#: PyTorch's default timeout for CPU process groups: init_process_group's, and any group's
+#: created without one (not its parent's, as in PyTorch).
+default_pg_timeout = timedelta(minutes=30)
 
 
 def build_group(
@@ -92,14 +98,15 @@ def new_group(
 
 def _derived_group(parent: ProcessGroup, ranks: list[int], me: int, name: str, backend: str | None,
                    timeout: timedelta | None, desc: str, pg_options=None) -> ProcessGroup:
-    """Build and register a group made from ``parent``, whose backend and timeout it inherits."""
+    """Build and register a group made from ``parent``, whose backend it inherits; no ``timeout``
+    means ``default_pg_timeout``, not the parent's, as in PyTorch."""
     if backend is None:
         backend = None if parent.name() == DEFAULT_CPU_BACKEND else parent.name()
     pg = build_group(
         ranks=ranks,
         my_global_rank=me,
         backend=backend,
-        timeout=as_timedelta(timeout) if timeout is not None else parent.timeout,
+        timeout=as_timedelta(timeout) if timeout is not None else default_pg_timeout,
         group_name=name,
         group_desc=desc,
         pg_options=pg_options,

@@ -19,7 +19,7 @@ from .._store.prefix_store import PrefixStore
 from .._store.rendezvous import rendezvous
 from ..errors import DistStoreError
 from ._args import check_timeout
-from .groups import build_group
+from .groups import build_group, default_pg_timeout
 from .world import NON_GROUP_MEMBER, WORLD
 
 __all__ = [
@@ -36,9 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: PyTorch's default timeout for CPU process groups.
-default_pg_timeout = timedelta(minutes=30)
 
 
 def is_available() -> bool:
