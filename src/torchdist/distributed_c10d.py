@@ -63,9 +63,8 @@ def _get_default_group() -> ProcessGroup:
 
 
 def _get_default_store() -> Store:
-    """The store the default group was built from."""
-    WORLD.require_default()
-    return WORLD.store
+    """The default group's store: the job's store under the group's prefix, as in PyTorch."""
+    return _get_default_group().get_group_store()
 
 
 def _rank_not_in_group(group: ProcessGroup | None) -> bool:

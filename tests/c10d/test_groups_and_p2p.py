@@ -472,7 +472,7 @@ def _through_distributed_c10d(rank, world):
         with pytest.warns(FutureWarning, match="get_global_rank"):
             global_rank = c10d._get_global_rank(group, 1)
     return (default is dist.group.WORLD, c10d._get_group_size(None), c10d._rank_not_in_group(group),
-            c10d._rank_not_in_group(None), global_rank, c10d._get_default_store() is not None,
+            c10d._rank_not_in_group(None), global_rank, isinstance(c10d._get_default_store(), dist.PrefixStore),
             c10d.all_reduce is dist.all_reduce,
             c10d._get_process_group_name(group) == (group.group_name if rank < 2 else "None"),
             c10d._get_process_group_name(None))
