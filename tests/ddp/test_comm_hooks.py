@@ -99,6 +99,8 @@ def _train_with_hook(rank, world_size, hook_type, steps):
 
 @pytest.mark.parametrize("hook_type,tol", [
     ("ALLREDUCE", TOL), ("FP16_COMPRESS", {"rtol": 1e-2, "atol": 2e-3}), ("BF16_COMPRESS", {"rtol": 2e-2, "atol": 1e-2}),
+    # 8-bit gradients (tests/ddp/test_quantization_hooks.py checks their values exactly)
+    ("QUANTIZE_PER_TENSOR", {"rtol": 0, "atol": 2e-3}), ("QUANTIZE_PER_CHANNEL", {"rtol": 0, "atol": 2e-3}),
 ])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_builtin_hooks_match_plain_ddp(hook_type, tol, world_size):
