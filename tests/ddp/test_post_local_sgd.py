@@ -31,6 +31,19 @@ def _snapshot(module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
+def _train(ddp, opt, rank: int, world_size: int, after_step=None) -> list[list[torch.Tensor]]:
+    """``STEPS`` steps on this rank's shard of the mlp batches; the parameters after each."""
+    history = []
+    for x, y in full_batches("mlp", world_size, STEPS):
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        history.append(_snapshot(ddp))
+    return history
+
+
 def _blocks(world_size: int, size: int) -> list[list[int]]:
     return [list(range(i, i + size)) for i in range(0, world_size, size)]
 
@@ -90,14 +103,8 @@ def _train_post_local(rank, world_size, start_iter, subgroup_size, period, use_o
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     if use_optimizer:
         opt = PostLocalSGDOptimizer(opt, averager)
-    history = []
-    for x, y in full_batches("mlp", world_size, STEPS):
-        opt.zero_grad()
-        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
-        opt.step()
-        if not use_optimizer:
-            averager.average_parameters(ddp.parameters())
-        history.append(_snapshot(ddp))
+    history = _train(ddp, opt, rank, world_size,
+                     None if use_optimizer else lambda: averager.average_parameters(ddp.parameters()))
     return history, state.iter, averager.step
 
 
@@ -148,13 +155,7 @@ def _train_hierarchical(rank, world_size, levels, warmup):
     ddp.register_comm_hook(post_localSGD.PostLocalSGDState(None, subgroup, warmup), post_localSGD.post_localSGD_hook)
     opt = PostLocalSGDOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR),
                                 hierarchical_model_averager.HierarchicalModelAverager(levels, warmup_steps=warmup))
-    history = []
-    for x, y in full_batches("mlp", world_size, STEPS):
-        opt.zero_grad()
-        F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
-        opt.step()
-        history.append(_snapshot(ddp))
-    return history
+    return _train(ddp, opt, rank, world_size)
 
 
 def test_hierarchical_averager_averages_at_the_largest_dividing_period():
@@ -332,13 +333,7 @@ def _like_torch(rank, world_size, hierarchical):
         else:
             averager = averagers_.PeriodicModelAverager(period=2, warmup_steps=2)
         opt = optimizer_class(torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9), averager)
-        history = []
-        for x, y in full_batches("mlp", world_size, STEPS):
-            opt.zero_grad()
-            F.cross_entropy(ddp(shard(x, rank)), shard(y, rank)).backward()
-            opt.step()
-            history.append(_snapshot(ddp))
-        results[name] = (history, opt.state_dict()["step"])
+        results[name] = (_train(ddp, opt, rank, world_size), opt.state_dict()["step"])
     torch_dist.destroy_process_group()
     return results
 
