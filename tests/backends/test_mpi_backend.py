@@ -177,6 +177,13 @@ def _mpi_group_outside_mpiexec(rank, world_size):
         dist.new_group(backend="mpi")
     except dist.DistBackendError as exc:
         return str(exc)
+    finally:
+        # Each rank started MPI as a job of one. A run_ranks rank is a fork that ends with
+        # os._exit, which skips mpi4py's exit handler: without this, MPICH's shared memory
+        # file of each one-process job stays in /dev/shm.
+        from mpi4py import MPI
+
+        MPI.Finalize()
     return "no error"
 
 
