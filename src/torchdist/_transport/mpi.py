@@ -232,7 +232,9 @@ class MpiTransport(Transport):
             if timeout <= 0:
                 # The ranks we wait on may be waiting themselves: tell every peer whom we wait
                 # on and give them slack to tell us theirs (see waits.py).
-                peers, joined = self._owing(transfers)
+                peers, joined = self._chains.owing(
+                    transfers, (s.peer for s in self._peers if s is not None and not s.gone()),
+                    lambda p: self._peers[p].heard_seq)
                 later = None if extended else self._chains.extend(
                     transfers, deadline, peers, joined, lambda p: self._peers[p].heard_at)
                 if later is None:
@@ -456,17 +458,6 @@ class MpiTransport(Transport):
         self.fail(DistNetworkError(
             f"{self.label}: rank {self.names[self.rank]}'s receive from any source can never complete: every "
             f"peer, ranks {[self.names[s.peer] for s in peers]}, left the group."))
-
-    def _owing(self, transfers: list[Transfer]) -> tuple[list[int], list[int]]:
-        """The peers of unfinished ``transfers``, and those of them that sent us a message
-        of the transfer's collective (or a later one): they joined it."""
-        pending = [t for t in transfers if not t.done]
-        peers = {t.peer for t in pending if t.peer is not None}
-        if any(t.peer is None for t in pending):  # any source: every peer still there
-            peers.update(s.peer for s in self._peers if s is not None and not s.gone())
-        joined = {t.peer for t in pending if t.kind is MsgKind.COLL and t.peer is not None
-                  and self._peers[t.peer].heard_seq >= t.seq}
-        return sorted(peers), sorted(joined)
 
     def fail(self, error: BaseException, notify: bool = True) -> None:
         if self._error is not None:

@@ -185,7 +185,9 @@ class TcpTransport(Transport):
                 if timeout <= 0:
                     # The ranks we wait on may be waiting themselves: tell every peer whom we
                     # wait on and give them slack to tell us theirs (see waits.py).
-                    peers, joined = self._owing(transfers)
+                    peers, joined = self._chains.owing(
+                        transfers, (c.peer for c in self._channels if c is not None and c.alive),
+                        lambda p: self._channels[p].heard_seq)
                     later = None if extended else self._chains.extend(
                         transfers, deadline, peers, joined, lambda p: self._channels[p].heard_at)
                     if later is None:
@@ -201,18 +203,6 @@ class TcpTransport(Transport):
         for transfer in transfers:
             if transfer.error is not None:
                 raise transfer.error
-
-    def _owing(self, transfers: list[Transfer]) -> tuple[list[int], list[int]]:
-        """The peers of unfinished ``transfers``, and those of them that sent us a message
-        of the transfer's collective (or a later one): they joined it."""
-        pending = [t for t in transfers if not t.done and t.peer is not None]
-        peers = {t.peer for t in pending}
-        if any(not t.done and t.peer is None for t in transfers):  # any source: every peer still there
-            peers.update(c.peer for c in self._channels if c is not None and c.alive)
-        peers = sorted(peers)
-        joined = sorted({t.peer for t in pending
-                         if t.kind is MsgKind.COLL and self._channels[t.peer].heard_seq >= t.seq})
-        return peers, joined
 
     def _tell_waiting(self, seq: int, peers: list[int]) -> None:
         """Send every live peer a WAITING notice: in collective ``seq`` we wait on ``peers``."""

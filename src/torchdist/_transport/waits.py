@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import array
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from .base import PeerTimeout, Transfer
 from .framing import MsgKind
@@ -35,6 +35,20 @@ class WaitChains:
         self.rank, self.names, self.label = rank, names, label
         self._op_seq, self._op_start = -1, 0.0  # the latest collective waited on, since when
         self._waiting: dict[int, tuple[int, list[int]]] = {}  # peer -> its last WAITING: (seq, ranks)
+
+    @staticmethod
+    def owing(transfers: list[Transfer], live_peers: Iterable[int],
+              heard_seq: Callable[[int], int]) -> tuple[list[int], list[int]]:
+        """The peers of unfinished ``transfers`` (every one of ``live_peers`` for a receive
+        from any source), and those of them that sent us a message of the transfer's
+        collective or a later one (``heard_seq(p)``: the latest one's seq): they joined it."""
+        pending = [t for t in transfers if not t.done]
+        peers = {t.peer for t in pending if t.peer is not None}
+        if any(t.peer is None for t in pending):
+            peers.update(live_peers)
+        joined = {t.peer for t in pending if t.kind is MsgKind.COLL and t.peer is not None
+                  and heard_seq(t.peer) >= t.seq}
+        return sorted(peers), sorted(joined)
 
     def begin(self, transfers: list[Transfer]) -> None:
         """Called at the top of every ``wait``: note when a collective's first wait began."""
