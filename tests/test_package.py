@@ -20,6 +20,11 @@ ALLOWED_INTERNAL_IMPORTS = {
     "distributed_c10d": {"errors", "_store", "_process_group", "_c10d"},  # PyTorch's module path of the c10d API
     "symmetric_memory": {"errors", "_c10d", "_process_group"},
     "device_mesh": {"errors", "_c10d", "_process_group", "device_mesh"},
+    # DTensor, and what is built on it: FSDP2's fully_shard, tensor parallelism, checkpoints of sharded states.
+    "tensor": {"errors", "_c10d", "_process_group", "device_mesh", "tensor"},
+    "fsdp": {"errors", "_c10d", "_process_group", "device_mesh", "tensor", "fsdp"},
+    "checkpoint": {"errors", "_c10d", "_process_group", "device_mesh", "tensor", "fsdp", "checkpoint"},
+    "pipelining": {"errors", "_c10d", "_process_group", "pipelining"},
     # DDP averages gradients in a distributed autograd context too, as PyTorch's reducer does.
     "_ddp": {"errors", "_algorithms", "_c10d", "_process_group", "autograd", "_ddp"},
     "algorithms": {"errors", "_c10d", "_process_group", "_ddp", "algorithms"},
