@@ -14,3 +14,20 @@ def test_data_parallel_sgd_trains_and_keeps_replicas_identical():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameters identical on all 2 ranks: True" in result.stdout, result.stdout
+
+
+def _torchdist_run(script: str, *args: str, timeout: float = 120) -> str:
+    """Run ``examples/<script>`` under ``torchdist-run --standalone --nproc-per-node 2``; return its output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torchdist.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / script), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout
+
+
+def test_pipeline_parallel_example_trains():
+    out = _torchdist_run("pipeline_parallel.py", "--steps", "20")
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 20 and losses[-1] < losses[0], out

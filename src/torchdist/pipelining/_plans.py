@@ -1,0 +1,199 @@
+"""The order in which each rank runs forward and backward of its microbatches: one list of actions per rank.
+
+An action is (stage, F | B | I | W, microbatch): F forward, B full backward, I
+the input-gradient half of a backward and W its weight-gradient half (zero
+bubble, arXiv:2401.10241). Communication is not part of a plan: the executor
+receives right before an action needs data and sends right after it produced
+some. A plan is therefore correct when the ranks can run it together without
+waiting on each other in a cycle, which ``simulate`` checks.
+
+With S stages, P ranks and M microbatches (one stage per rank: S == P):
+
+* GPipe (arXiv:1811.06965): all M forwards, then all M backwards.
+* 1F1B (PipeDream-flush, arXiv:2006.09503): stage s runs min(M, S - s)
+  forwards, then alternates one backward and one forward, then drains the
+  backwards; at most S - s microbatches are in flight on stage s.
+* Interleaved 1F1B (Megatron-LM, arXiv:2104.04473): V = S / P stages per rank
+  (stage s on rank s % P); forwards walk the local stages in rounds of
+  ``microbatches_per_round`` microbatches, depth first; warmup of
+  (V - 1) * per_round + 2 * (P - 1 - rank) forwards, then 1F1B.
+* Looped BFS (arXiv:2211.05953): every forward of local stage 0, then of local
+  stage 1, ...; then the backwards in reverse.
+* Zero bubble (interleaved and ZBV): found by simulating the pipeline in unit
+  time steps; each rank picks I first, then F while fewer than a cap of
+  microbatches are in flight, then W. ZBV places the stages as a V: rank r
+  holds stages r and 2P - 1 - r.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from enum import Enum
+from typing import Callable, NamedTuple
+
+__all__ = ["_ComputationType", "_Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
+           "zero_bubble", "stage_to_rank", "simulate"]
+
+
+class _ComputationType(str, Enum):
+    FORWARD = "F"
+    FULL_BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
+              _ComputationType.BACKWARD_WEIGHT)
+
+
+class _Action(NamedTuple):
+    stage_index: int
+    computation_type: _ComputationType
+    microbatch_index: int
+
+    def __repr__(self) -> str:
+        return f"{self.stage_index}{self.computation_type}{self.microbatch_index}"
+
+
+def stage_to_rank(pp_size: int, num_stages: int, style: str = "loop") -> dict[int, int]:
+    """Which group rank holds each stage: ``loop`` (s % P) or ``v`` (down the ranks, then back up)."""
+    if style == "loop":
+        return {s: s % pp_size for s in range(num_stages)}
+    if style == "v":
+        if num_stages % pp_size:
+            raise ValueError(
+                f"num_stages {num_stages} must be evenly divisible by pp_size {pp_size} for V schedules"
+            )
+        return {s: (s % pp_size if (s // pp_size) % 2 == 0 else pp_size - 1 - s % pp_size)
+                for s in range(num_stages)}
+    raise ValueError(f"Style {style} is not supported.")
+
+
+def gpipe(stage: int, n_mb: int) -> list[_Action]:
+    return [_Action(stage, F, m) for m in range(n_mb)] + [_Action(stage, B, m) for m in range(n_mb)]
+
+
+def one_f_one_b(stage: int, num_stages: int, n_mb: int) -> list[_Action]:
+    warmup = min(n_mb, num_stages - stage)
+    actions = [_Action(stage, F, m) for m in range(warmup)]
+    for m in range(n_mb):
+        actions.append(_Action(stage, B, m))
+        if warmup + m < n_mb:
+            actions.append(_Action(stage, F, warmup + m))
+    return actions
+
+
+def looped_bfs(rank: int, pp_size: int, n_local: int, n_mb: int) -> list[_Action]:
+    stages = [rank + i * pp_size for i in range(n_local)]
+    forwards = [_Action(s, F, m) for s in stages for m in range(n_mb)]
+    return forwards + [_Action(s, B, m) for s in reversed(stages) for m in reversed(range(n_mb))]
+
+
+def interleaved_1f1b(rank: int, pp_size: int, n_local: int, n_mb: int, per_round: int) -> list[_Action]:
+    """Megatron's interleaved order for one rank (see the module docstring)."""
+    total = n_local * n_mb
+    warmup = min((n_local - 1) * per_round + 2 * (pp_size - 1 - rank), total)
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:
+        local = (k // per_round) % n_local
+        if backward:
+            local = n_local - 1 - local
+        microbatch = (k // (per_round * n_local)) * per_round + k % per_round
+        return rank + local * pp_size, microbatch
+
+    actions = [_Action(s, F, m) for s, m in (nth(k, False) for k in range(warmup))]
+    for k in range(total):
+        if warmup + k < total:
+            stage, m = nth(warmup + k, False)
+            actions.append(_Action(stage, F, m))
+        stage, m = nth(k, True)
+        actions.append(_Action(stage, B, m))
+    return actions
+
+
+def zero_bubble(num_stages: int, pp_size: int, n_mb: int, placement: dict[int, int],
+                in_flight: Callable[[int], int]) -> dict[int, list[_Action]]:
+    """Every rank's order of F, I and W, from a unit-time simulation (see the module docstring).
+
+    ``in_flight(rank)`` caps the microbatches a rank holds activations for (forwarded, W not yet run)."""
+    local = defaultdict(list)
+    for s, r in placement.items():
+        local[r].append(s)
+    done: set[tuple[int, _ComputationType, int]] = set()
+    plans: dict[int, list[_Action]] = {r: [] for r in range(pp_size)}
+    pending_w: dict[int, list[_Action]] = {r: [] for r in range(pp_size)}
+    held = defaultdict(int)
+    total = num_stages * n_mb * 3
+    while len(done) < total:
+        step: list[_Action] = []
+        for r in range(pp_size):
+            choice = _pick(r, local[r], num_stages, n_mb, done, held[r] < in_flight(r), pending_w[r])
+            if choice is not None:
+                step.append(choice)
+        if not step:
+            raise RuntimeError("zero bubble plan: no rank can make progress (this is a bug in the plan)")
+        for action in step:
+            r = placement[action.stage_index]
+            plans[r].append(action)
+            done.add(tuple(action))
+            if action.computation_type is F:
+                held[r] += 1
+            elif action.computation_type is I:
+                pending_w[r].append(_Action(action.stage_index, W, action.microbatch_index))
+            else:
+                pending_w[r].remove(action)
+                held[r] -= 1
+    return plans
+
+
+def _pick(rank: int, stages: list[int], num_stages: int, n_mb: int, done: set, may_forward: bool,
+          pending_w: list[_Action]) -> _Action | None:
+    """The next action of ``rank``: the earliest ready I (later stages first), else a ready F, else a W."""
+    for s in sorted(stages, reverse=True):
+        for m in range(n_mb):
+            if (s, I, m) in done or (s, F, m) not in done:
+                continue
+            if s == num_stages - 1 or (s + 1, I, m) in done:
+                return _Action(s, I, m)
+            break  # microbatches run in order on a stage
+    if may_forward:
+        for s in sorted(stages, reverse=True):
+            for m in range(n_mb):
+                if (s, F, m) in done:
+                    continue
+                if s == 0 or (s - 1, F, m) in done:
+                    return _Action(s, F, m)
+                break
+    return pending_w[0] if pending_w else None
+
+
+def simulate(plans: dict[int, list[_Action]], placement: dict[int, int], num_stages: int) -> int:
+    """Run the ranks' plans together (a rank waits for what its next action needs); return the steps taken.
+    Raises RuntimeError if they deadlock or a plan breaks a dependency."""
+    done: set[tuple] = set()
+    position = {r: 0 for r in plans}
+
+    def ready(a: _Action) -> bool:
+        s, kind, m = a
+        if kind is F:
+            return s == 0 or (s - 1, F, m) in done
+        if kind in (B, I):
+            after = (s + 1, B, m) in done or (s + 1, I, m) in done
+            return (s, F, m) in done and (s == num_stages - 1 or after)
+        return (s, I, m) in done
+
+    steps = 0
+    while any(position[r] < len(plans[r]) for r in plans):
+        runnable = [plans[r][position[r]] for r in plans if position[r] < len(plans[r])]
+        runnable = [a for a in runnable if ready(a)]
+        if not runnable:
+            stuck = {r: plans[r][position[r]] for r in plans if position[r] < len(plans[r])}
+            raise RuntimeError(f"pipeline plan deadlocks: every rank waits, next actions {stuck}")
+        for a in runnable:
+            done.add(tuple(a))
+            position[placement[a.stage_index]] += 1
+        steps += 1
+    return steps
