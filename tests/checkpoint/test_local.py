@@ -138,9 +138,11 @@ def test_stateful_values_are_called(ckpt_dir):
         assert (counter.n, counter.loaded) == (5, "c5")
 
 
-def test_async_save_snapshots_the_values_when_called(ckpt_dir):
+@pytest.mark.parametrize("kind", ["THREAD", "PROCESS"])
+def test_async_save_snapshots_the_values_when_called(ckpt_dir, kind):
     state = {"w": torch.ones(3), "step": 1}
-    future = quiet(dcp.async_save, state, checkpoint_id=ckpt_dir, no_dist=True)
+    future = quiet(dcp.async_save, state, checkpoint_id=ckpt_dir, no_dist=True,
+                   async_checkpointer_type=getattr(dcp.state_dict_saver.AsyncCheckpointerType, kind))
     state["w"].add_(100)  # the training loop goes on while the checkpoint is written
     metadata = future.result(timeout=30)
     assert isinstance(metadata, dcp.Metadata) and set(metadata.state_dict_metadata) == {"w", "step"}

@@ -33,7 +33,7 @@ __all__ = ["save", "async_save", "save_state_dict", "AsyncCheckpointerType"]
 
 
 class AsyncCheckpointerType(Enum):
-    """Where ``async_save`` writes: a background thread (torchdist has no process-based writer)."""
+    """Where ``async_save`` writes; torchdist writes from a background thread for both."""
 
     THREAD = "thread"
     PROCESS = "process"
@@ -134,9 +134,11 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     collectives on that group, or give the save a group of its own
     (``torchdist.new_group()``).
     """
-    if async_checkpointer_type != AsyncCheckpointerType.THREAD:
-        raise NotImplementedError(f"async_save: async_checkpointer_type={async_checkpointer_type} is not supported "
-                                  "by torchdist; use AsyncCheckpointerType.THREAD")
+    if async_checkpointer_type == AsyncCheckpointerType.PROCESS:
+        # PyTorch hands the staged copy to a writer process with a process group of its own; the files and the
+        # Future's result are the same when a thread writes them, which is all torchdist offers.
+        warnings.warn("async_save: torchdist writes in a background thread; AsyncCheckpointerType.PROCESS runs "
+                      "as THREAD (the same files and result)", stacklevel=2)
     no_dist = resolve_no_dist(no_dist, "save")
     writer = storage_setup(storage_writer, checkpoint_id, reader=False)
     state_dict = _stateful_to_state_dict(state_dict)
