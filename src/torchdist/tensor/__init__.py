@@ -1,0 +1,24 @@
+"""``torchdist.tensor``: DTensor, PyTorch's ``torch.distributed.tensor``.
+
+Modules: ``_placements`` (Shard, Replicate, Partial), ``_spec`` (layout and
+shape arithmetic), ``_redistribute`` (placement changes as collectives),
+``_api`` (the DTensor class and its differentiable conversions),
+``_dispatch`` with ``_ops/`` (sharding propagation of aten ops) and ``_special``
+(ops answered directly), ``_distribute`` and ``_factories`` (ways to make
+DTensors); ``_utils`` and ``placement_types`` keep PyTorch's module paths;
+``experimental`` holds ``implicit_replication``.
+See docs/design/dtensor.md.
+"""
+
+from ..device_mesh import DeviceMesh, init_device_mesh
+from ._api import DTensor
+from ._distribute import distribute_module, distribute_tensor
+from ._factories import empty, full, ones, rand, randn, zeros
+from ._placements import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor", "distribute_tensor", "distribute_module", "Shard", "Replicate", "Partial", "Placement",
+    "ones", "empty", "full", "rand", "randn", "zeros"
+]
+# PyTorch's module also offers the mesh names, outside __all__.
+_MESH_NAMES = (DeviceMesh, init_device_mesh)
