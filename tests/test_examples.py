@@ -31,3 +31,11 @@ def test_pipeline_parallel_example_trains():
     out = _torchdist_run("pipeline_parallel.py", "--steps", "20")
     losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 20 and losses[-1] < losses[0], out
+
+
+def test_tensor_parallel_example_trains_and_matches_the_unparallelized_model():
+    out = _torchdist_run("tensor_parallel.py")
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+    assert losses and losses[-1] < losses[0], out
+    assert out.count("matches the unparallelized model: True") == 2, out
+
