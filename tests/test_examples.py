@@ -1,8 +1,11 @@
 """The top-level examples run as a user would run them."""
 
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,3 +42,11 @@ def test_tensor_parallel_example_trains_and_matches_the_unparallelized_model():
     assert losses and losses[-1] < losses[0], out
     assert out.count("matches the unparallelized model: True") == 2, out
 
+
+def test_fsdp_digits_example_trains_on_two_ranks():
+    pytest.importorskip("sklearn")  # the example's data set (the ``examples`` extra)
+    out = _torchdist_run("fsdp_digits.py", "--epochs", "3", "--bf16")
+    assert "rank 0 stores 8613 of 17226 parameter elements" in out, out
+    accuracies = [float(a) for a in re.findall(r"test accuracy ([0-9.]+)", out)]
+    assert len(accuracies) == 3 and accuracies[-1] > 0.8, out
+    assert "full state dict: 17226 elements" in out, out

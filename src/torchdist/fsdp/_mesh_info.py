@@ -1,0 +1,76 @@
+"""Where a ``fully_shard`` group lives: its mesh, which mesh dimension shards and which replicates (HSDP).
+
+Vocabulary used across this package: the *shard group* is the process group of
+the shard mesh dimension (parameters are all-gathered and gradients
+reduce-scattered over it); the *replicate group* is the other dimension of a 2-D
+(HSDP) mesh (gradients are all-reduced over it after the reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._c10d.init import get_world_size, init_process_group, is_initialized
+from .._process_group.process_group import ProcessGroup
+from ..device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MeshInfo", "default_mesh", "mesh_info_of"]
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A 1-D mesh (FSDP: ``shard_mesh_dim=0``) or a 2-D one (HSDP: replicate on dim 0, shard on dim 1)."""
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int
+    replicate_mesh_dim: int | None = None
+
+    @property
+    def shard_group(self) -> ProcessGroup:
+        return self.mesh.get_group(self.shard_mesh_dim)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_mesh_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_mesh_dim)
+
+    @property
+    def replicate_group(self) -> ProcessGroup | None:
+        return None if self.replicate_mesh_dim is None else self.mesh.get_group(self.replicate_mesh_dim)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
+
+    def placements(self, shard: Any) -> tuple:
+        """The DTensor placements of a sharded parameter: ``(shard,)`` or ``(Replicate(), shard)``."""
+        from ._dtensor import Replicate
+
+        return (shard,) if self.replicate_mesh_dim is None else (Replicate(), shard)
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D CPU mesh over the default group, initializing it (env://) first if needed, as PyTorch does."""
+    if not is_initialized():
+        init_process_group()
+    return init_device_mesh("cpu", (get_world_size(),))
+
+
+def mesh_info_of(mesh: DeviceMesh, dp_mesh_dims: Any = None) -> MeshInfo:
+    """Check ``mesh`` (1-D or named 2-D) and say which dimension shards, as ``fully_shard`` does."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...) (parameters already DTensors on a full SPMD "
+                                  "mesh) is not supported by torchdist yet; pass the data-parallel mesh itself as "
+                                  "``mesh`` (1-D for FSDP, 2-D replicate x shard for HSDP)")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+    if mesh.device_type != "cpu":
+        raise ValueError(f"fully_shard: torchdist runs FSDP on CPU meshes only, got a {mesh.device_type!r} mesh; "
+                         "build the mesh with init_device_mesh('cpu', ...)")
+    return MeshInfo(mesh, 0) if mesh.ndim == 1 else MeshInfo(mesh, 1, 0)

@@ -1,0 +1,259 @@
+"""One parameter under FSDP: its shard layout, its sharded DTensor and its unsharded stand-in.
+
+Sharding follows ``torch.chunk`` on the shard dim ``d`` over the ``W`` ranks of
+a shard group: every rank owns ``c = ceil(size(d) / W)`` rows except that the
+last ranks may own fewer, or none. In the flat communication buffers every
+rank's shard is padded to ``c`` rows, so each rank contributes the same number
+of elements (``padded_numel``) per parameter:
+
+    flat buffer of one rank:  [ p0 shard, padded | p1 shard, padded | ... ]
+    all-gather output:        [ rank 0's flat buffer | rank 1's | ... ]
+
+The unsharded parameter is one ``nn.Parameter`` object for the life of the
+module (autograd saves it in forward and finds it again in backward); resharding
+frees its storage (``resize_(0)``) and unsharding refills it, without bumping its
+version counter, as PyTorch's FSDP2 does.
+
+With ``reshard_after_forward=k`` (an int) a parameter has a second, *post-forward*
+layout over groups of ``k`` ranks: between forward and backward each rank keeps a
+``1/k`` shard of the unsharded parameter, and backward all-gathers only within
+its group of ``k``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ._dtensor import Shard, local_of, sharded_parameter, sharded_tensor
+from ._mesh_info import MeshInfo
+
+__all__ = ["ParamSlot", "ShardLayout", "FSDPParam"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """A place the parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+    def set(self, param: nn.Parameter) -> None:
+        # bypass nn.Module.__setattr__: the slot already holds a parameter, we only swap which one
+        self.module._parameters[self.name] = param
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a tensor of ``shape`` is cut along ``dim`` over ``world`` ranks, seen from ``rank``."""
+
+    shape: torch.Size
+    dim: int
+    world: int
+    rank: int
+
+    @property
+    def chunk_rows(self) -> int:
+        return math.ceil(self.shape[self.dim] / self.world)
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.chunk_rows, self.shape[self.dim])
+
+    @property
+    def local_rows(self) -> int:
+        return min(self.chunk_rows, self.shape[self.dim] - self.start)
+
+    @property
+    def padded_shard_shape(self) -> torch.Size:
+        shape = list(self.shape)
+        shape[self.dim] = self.chunk_rows
+        return torch.Size(shape)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_shard_shape.numel()
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (a view)."""
+        return full.narrow(self.dim, self.start, self.local_rows)
+
+    def padded_flat(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` padded with zeros to ``chunk_rows`` rows, flattened: this rank's part of an all-gather."""
+        if self.local_rows == self.chunk_rows:
+            return local.reshape(-1)
+        padded = local.new_zeros(self.padded_shard_shape)
+        padded.narrow(self.dim, 0, self.local_rows).copy_(local)
+        return padded.reshape(-1)
+
+    def unpadded(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor (a view) from its ``(world, padded_numel)`` columns of an all-gather output."""
+        full = gathered.reshape(self.world, *self.padded_shard_shape).movedim(0, self.dim)
+        full = full.reshape(*self.shape[:self.dim], self.world * self.chunk_rows, *self.shape[self.dim + 1:])
+        return full.narrow(self.dim, 0, self.shape[self.dim])
+
+    def scatter_block(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` zero-padded to ``world * chunk_rows`` rows as a ``(world, padded_numel)`` block, row r for
+        rank r: this tensor's part of a reduce-scatter input."""
+        rows = self.world * self.chunk_rows
+        if rows != self.shape[self.dim]:
+            shape = list(self.shape)
+            shape[self.dim] = rows
+            padded = full.new_zeros(shape)
+            padded.narrow(self.dim, 0, self.shape[self.dim]).copy_(full)
+            full = padded
+        split = full.reshape(*self.shape[:self.dim], self.world, self.chunk_rows, *self.shape[self.dim + 1:])
+        return split.movedim(self.dim, 0).reshape(self.world, self.padded_numel)
+
+    def unpad_local(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows from its padded flat shard."""
+        return flat.reshape(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows)
+
+
+class FSDPParam:
+    """Sharded and unsharded forms of one original parameter, and conversions between them and the flat buffers."""
+
+    def __init__(self, param: nn.Parameter, slots: list[ParamSlot], mesh_info: MeshInfo, shard_dim: int,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, fqn: str) -> None:
+        self.mesh_info = mesh_info
+        self.slots = slots
+        self.fqn = fqn
+        self.shape = param.shape
+        self.stride = _contiguous_stride(param.shape)
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        # mixed precision only for floating-point parameters, and only where it changes something
+        self.param_dtype = param_dtype if param_dtype not in (None, param.dtype) and param.is_floating_point() \
+            else None
+        self.reduce_dtype = reduce_dtype if reduce_dtype != param_dtype else None
+        self.layout = ShardLayout(param.shape, shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
+        self.placements = mesh_info.placements(Shard(shard_dim))
+        with torch.no_grad():
+            local = self.layout.local(param.detach()).clone(memory_format=torch.contiguous_format)
+        self.sharded_param = sharded_parameter(local, mesh_info.mesh, self.placements, self.shape, self.stride,
+                                               self.requires_grad)
+        self._unsharded: nn.Parameter | None = None  # created at the first unshard
+        self.accumulated_grad: torch.Tensor | None = None  # unsharded, in reduce dtype, across no-sync steps
+        self.post_forward_layout: ShardLayout | None = None  # reshard_after_forward=int: over groups of k ranks
+        self.post_forward_local: torch.Tensor | None = None  # ... and this rank's 1/k shard kept after forward
+        self.register(self.sharded_param)
+
+    # -- registration ------------------------------------------------------------------------------------
+
+    def register(self, param: nn.Parameter) -> None:
+        for slot in self.slots:
+            slot.set(param)
+
+    def refresh_sharded(self) -> None:
+        """Pick up a sharded parameter that was replaced on the module (``load_state_dict(assign=True)``)."""
+        current = self.slots[0].module._parameters[self.slots[0].name]
+        if current is not self.sharded_param and current is not self._unsharded and isinstance(current, type(
+                self.sharded_param)) and self.post_forward_local is None:
+            self.sharded_param = current
+
+    @property
+    def all_gather_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.orig_dtype
+
+    # -- unsharded parameter -------------------------------------------------------------------------------
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        if self._unsharded is None:
+            self._unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.all_gather_dtype),
+                                           requires_grad=self.requires_grad)
+            _free(self._unsharded)
+        return self._unsharded
+
+    def all_gather_input(self, layout: ShardLayout) -> torch.Tensor:
+        """This rank's padded flat part of an all-gather in ``layout``: from the sharded parameter (cast to the
+        all-gather dtype) or, for the post-forward layout, from the kept post-forward shard."""
+        if layout is self.layout:
+            return layout.padded_flat(local_of(self.sharded_param).to(self.all_gather_dtype))
+        assert self.post_forward_local is not None, f"{self}: no post-forward shard to gather"
+        return layout.padded_flat(self.post_forward_local)
+
+    def copy_out(self, gathered: torch.Tensor, layout: ShardLayout) -> None:
+        """Fill the unsharded parameter from its ``(W, padded_numel)`` columns of an all-gather output."""
+        param = self.unsharded_param
+        _alloc(param)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
+            param.copy_(layout.unpadded(gathered))
+        self.post_forward_local = None
+
+    def free_unsharded(self) -> None:
+        if self._unsharded is not None:
+            _free(self._unsharded)
+        self.post_forward_local = None
+
+    def to_post_forward(self, mesh_info: MeshInfo) -> None:
+        """Keep this rank's ``1/k`` shard of the unsharded parameter, register it as a DTensor on the post-forward
+        mesh, and free the unsharded storage."""
+        layout = self.post_forward_layout = ShardLayout(self.shape, self.layout.dim, mesh_info.shard_size,
+                                                        mesh_info.shard_rank)
+        with torch.no_grad():
+            self.post_forward_local = layout.local(self.unsharded_param.detach()).clone()
+        placements = mesh_info.placements(Shard(layout.dim))
+        self.register(sharded_parameter(self.post_forward_local, mesh_info.mesh, placements, self.shape, self.stride,
+                                        self.requires_grad))
+        _free(self.unsharded_param)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient to reduce (accumulated over no-sync steps, if any), detached from the parameter."""
+        param = self._unsharded
+        grad = param.grad if param is not None else None
+        if param is not None:
+            param.grad = None
+        if self.accumulated_grad is not None:
+            total, self.accumulated_grad = self.accumulated_grad, None
+            return total if grad is None else total + grad.to(total.dtype)
+        return grad
+
+    def keep_unsharded_grad(self) -> None:
+        """No-sync backward: keep the gradient for the next one. Autograd adds to ``.grad`` by itself; only a
+        gradient to upcast to ``reduce_dtype`` moves aside (and later ones are added to it in that dtype)."""
+        param = self._unsharded
+        if param is None or param.grad is None:
+            return
+        if self.accumulated_grad is not None:
+            self.accumulated_grad += param.grad
+            param.grad = None
+        elif self.reduce_dtype is not None and param.grad.dtype != self.reduce_dtype:
+            self.accumulated_grad, param.grad = param.grad.to(self.reduce_dtype), None
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced, padded flat shard to ``sharded_param.grad`` (a DTensor like the parameter)."""
+        local = self.layout.unpad_local(reduced).to(self.orig_dtype).contiguous()
+        param = self.sharded_param
+        if param.grad is not None:
+            local = local_of(param.grad) + local
+        param.grad = sharded_tensor(local, self.mesh_info.mesh, self.placements, self.shape, self.stride)
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn or '?'}, shape={tuple(self.shape)}, placements={self.placements})"
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
