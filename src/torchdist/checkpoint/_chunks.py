@@ -11,12 +11,13 @@ into any other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..tensor import DTensor
+from ..tensor._spec import compute_local_shape_and_global_offset
 from .metadata import TensorProperties
 
 
@@ -54,41 +55,25 @@ class LocalShards:
         return f"LocalShards(size={tuple(self.size)}, offsets={[tuple(c.offsets) for c in self.chunks]})"
 
 
-def is_dtensor(value: object) -> bool:
-    """DTensor, recognised by its interface so that this layer does not depend on one implementation."""
-    return isinstance(value, torch.Tensor) and all(
-        hasattr(value, name) for name in ("to_local", "placements", "device_mesh"))
-
-
 def is_tensor_like(value: object) -> bool:
     return isinstance(value, (torch.Tensor, LocalShards))
 
 
-def _dtensor_offsets(value) -> torch.Size | None:
-    """Global offsets of this rank's local tensor (torch.chunk-style split per Shard), None off the mesh."""
-    mesh = value.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return None
-    offsets = [0] * value.dim()
-    extent = list(value.shape)
+def _dtensor_offsets(value: DTensor) -> torch.Size | None:
+    """Global offsets of this rank's local tensor, None off the mesh."""
     for mesh_dim, placement in enumerate(value.placements):
         if placement.is_partial():
             raise ValueError(f"checkpoint: a DTensor with a Partial placement on mesh dim {mesh_dim} holds "
                              "unreduced values; redistribute it to Shard or Replicate before saving or loading")
-        if not placement.is_shard():
-            continue
-        dim = placement.dim
-        step = math.ceil(extent[dim] / mesh.size(mesh_dim)) if extent[dim] else 0
-        start = min(coordinate[mesh_dim] * step, extent[dim])
-        offsets[dim] += start
-        extent[dim] = min(step, extent[dim] - start)
+    if value.device_mesh.get_coordinate() is None:
+        return None
+    _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return torch.Size(offsets)
 
 
 def tensor_view(value: object) -> TensorView | None:
     """The chunks of ``value`` this rank holds, or None when ``value`` is not a tensor."""
-    if is_dtensor(value):
+    if isinstance(value, DTensor):
         local = value.to_local()
         offsets = _dtensor_offsets(value)
         properties = TensorProperties.create_from_tensor(local)

@@ -27,7 +27,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .._c10d.collectives import broadcast
 from .._c10d.init import get_rank, is_initialized
 from .._c10d.object_collectives import broadcast_object_list
-from ._chunks import is_dtensor, narrow, tensor_view
+from ..tensor import DTensor
+from ._chunks import narrow, tensor_view
 
 __all__ = [
     "StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
@@ -108,7 +109,7 @@ def _full_or_cpu(value: Any, options: StateDictOptions) -> Any:
     if isinstance(value, list):
         return [_full_or_cpu(v, options) for v in value]
     if isinstance(value, torch.Tensor):
-        if options.full_state_dict and is_dtensor(value):
+        if options.full_state_dict and isinstance(value, DTensor):
             value = value.full_tensor()
         if options.cpu_offload:
             value = value.cpu()
@@ -126,7 +127,7 @@ def _finish(state_dict: dict[str, Any], options: StateDictOptions) -> dict[str, 
 
 def _like(current: Any, given: Any) -> Any:
     """``given`` in the form of ``current``: a full tensor given for a DTensor becomes this rank's shard of it."""
-    if not (is_dtensor(current) and isinstance(given, torch.Tensor) and not is_dtensor(given)):
+    if not (isinstance(current, DTensor) and isinstance(given, torch.Tensor) and not isinstance(given, DTensor)):
         return given
     view = tensor_view(current)
     if tuple(given.shape) != tuple(view.size):

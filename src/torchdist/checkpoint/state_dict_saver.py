@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from .._c10d.init import get_rank
-from ._chunks import LocalShards, is_dtensor, tensor_view
+from ..tensor import DTensor
+from ._chunks import LocalShards, tensor_view
 from ._exchange import Exchange
 from ._storage_utils import resolve_no_dist, storage_setup
 from ._traverse import flatten_state_dict, unflatten_state_dict
@@ -110,7 +111,7 @@ def _save_state_dict(state_dict: dict[str, Any], storage_writer: StorageWriter, 
 
 def _staged(value: Any) -> Any:
     """A copy of a tensor's held chunks in CPU memory that later training steps cannot change."""
-    if is_dtensor(value) or isinstance(value, LocalShards):
+    if isinstance(value, DTensor) or isinstance(value, LocalShards):
         view = tensor_view(value)
         return LocalShards(view.size, [(c.offsets, c.tensor.detach().to("cpu", copy=True)) for c in view.chunks])
     if isinstance(value, torch.Tensor):
