@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..tensor._spec import contiguous_strides
 from ._dtensor import Shard, local_of, sharded_parameter, sharded_tensor
 from ._mesh_info import MeshInfo
+from ._storage import alloc_storage, free_storage
 
 __all__ = ["ParamSlot", "ShardLayout", "FSDPParam"]
 
@@ -122,7 +124,7 @@ class FSDPParam:
         self.slots = slots
         self.fqn = fqn
         self.shape = param.shape
-        self.stride = _contiguous_stride(param.shape)
+        self.stride = contiguous_strides(param.shape)
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         # mixed precision only for floating-point parameters, and only where it changes something
@@ -165,7 +167,7 @@ class FSDPParam:
         if self._unsharded is None:
             self._unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.all_gather_dtype),
                                            requires_grad=self.requires_grad)
-            _free(self._unsharded)
+            free_storage(self._unsharded)
         return self._unsharded
 
     def all_gather_input(self, layout: ShardLayout) -> torch.Tensor:
@@ -179,14 +181,14 @@ class FSDPParam:
     def copy_out(self, gathered: torch.Tensor, layout: ShardLayout) -> None:
         """Fill the unsharded parameter from its ``(W, padded_numel)`` columns of an all-gather output."""
         param = self.unsharded_param
-        _alloc(param)
+        alloc_storage(param)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
             param.copy_(layout.unpadded(gathered))
         self.post_forward_local = None
 
     def free_unsharded(self) -> None:
         if self._unsharded is not None:
-            _free(self._unsharded)
+            free_storage(self._unsharded)
         self.post_forward_local = None
 
     def to_post_forward(self, mesh_info: MeshInfo) -> None:
@@ -199,7 +201,7 @@ class FSDPParam:
         placements = mesh_info.placements(Shard(layout.dim))
         self.register(sharded_parameter(self.post_forward_local, mesh_info.mesh, placements, self.shape, self.stride,
                                         self.requires_grad))
-        _free(self.unsharded_param)
+        free_storage(self.unsharded_param)
 
     # -- gradients -----------------------------------------------------------------------------------------
 
@@ -236,24 +238,3 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn or '?'}, shape={tuple(self.shape)}, placements={self.placements})"
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
