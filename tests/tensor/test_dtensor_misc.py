@@ -193,3 +193,20 @@ def test_fallback_distribute_module_factories_and_errors():
         assert out["current mesh"] == (Replicate(),)
         assert out["pointwise sweep"] == [] and out["sweep fallbacks"] == [], rank
         assert out["attention"] == ((Shard(1),), True, (Shard(1),), True)
+
+
+def _distribute_without_communication_copies(rank: int, world_size: int) -> list[bool]:
+    from torchdist.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    source = torch.arange(12.0).reshape(6, 2)
+    dtensors = [T.distribute_tensor(source, mesh, [placement], src_data_rank=None)
+                for placement in (Shard(0), Shard(1), Replicate())]
+    expected = [d.to_local().clone() for d in dtensors]
+    source.add_(100)  # the caller's tensor changes later; no rank's DTensor may see it
+    return [torch.equal(d.to_local(), e) for d, e in zip(dtensors, expected)]
+
+
+def test_distribute_tensor_without_communication_owns_its_blocks_on_every_rank():
+    results = run_ranks(_distribute_without_communication_copies, 3, backend="gloo", timeout=60)
+    assert results == [[True, True, True]] * 3

@@ -92,8 +92,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                     local = _scatter_dim(local.contiguous(), mesh, mesh_dim, placement.dim,
                                          _group_rank_of(mesh, mesh_dim, src_data_rank))
         local = local.contiguous()
-        if local is tensor or local.data_ptr() == tensor.data_ptr():
-            local = local.clone()
+        if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            local = local.clone()  # a view of the caller's tensor (any rank's block, not only the first)
     spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
 
