@@ -58,7 +58,8 @@ def _outcome(fn):
 
 
 def _train(c10d, fsdp, wrap, rank: int, world_size: int, kind: str, policy: str, strategy: str, uop: bool,
-           accumulate: int = 1, clip: float | None = None, reload: bool = False, bf16: bool = False) -> dict:
+           accumulate: int = 1, clip: float | None = None, reload: bool = False, bf16: bool = False,
+           sharded: bool = False) -> dict:
     """Train; return the full state dict (rank 0 saves it, every rank reloads it into a fresh model)."""
     FSDP = fsdp.FullyShardedDataParallel
     mp = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
@@ -101,6 +102,47 @@ def _train(c10d, fsdp, wrap, rank: int, world_size: int, kind: str, policy: str,
             o.step()
         seen["after_reload"] = {k: v.clone() for k, v in fresh.state_dict().items()}
         seen["after_original"] = {k: v.clone() for k, v in model.state_dict().items()}
+    if sharded:
+        seen.update(_sharded_round_trip(c10d, fsdp, wrap, rank, world_size, kind, policy, strategy, uop, model, opt))
+    return seen
+
+
+def _sharded_round_trip(c10d, fsdp, wrap, rank: int, world_size: int, kind: str, policy: str, strategy: str,
+                        uop: bool, model, opt) -> dict:
+    """SHARDED_STATE_DICT: the model saved with the library's distributed checkpoint and loaded into a fresh FSDP
+    model, the optimizer state round-tripped in memory; then one more step on both."""
+    import importlib
+    import shutil
+    import tempfile
+
+    FSDP, sharded = fsdp.FullyShardedDataParallel, fsdp.StateDictType.SHARDED_STATE_DICT
+    dcp = importlib.import_module("torch.distributed.checkpoint" if fsdp.__name__.startswith("torch.") else
+                                  "torchdist.checkpoint")
+    path = [tempfile.mkdtemp(prefix="fsdp1-sharded-") if rank == 0 else None]
+    c10d.broadcast_object_list(path, src=0)
+    seen = {}
+    with FSDP.state_dict_type(model, sharded):
+        saved = model.state_dict()
+        osd = FSDP.optim_state_dict(model, opt)
+    seen["sharded_keys"] = sorted(saved)
+    seen["sharded_optim_keys"] = {k: sorted(v) for k, v in osd["state"].items()}
+    dcp.save(saved, checkpoint_id=path[0])
+    fresh = _wrap(fsdp, wrap, kind, policy, strategy, uop)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    with FSDP.state_dict_type(fresh, sharded):
+        target = fresh.state_dict()
+        dcp.load(target, checkpoint_id=path[0])
+        fresh.load_state_dict(target)
+        fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+    c10d.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+    x, y = batches(kind, world_size)[0]
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        loss_of(kind, m(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        o.step()
+    seen["sharded_after_reload"] = {k: v.clone() for k, v in fresh.state_dict().items()}
+    seen["sharded_after_original"] = {k: v.clone() for k, v in model.state_dict().items()}
     return seen
 
 
@@ -232,7 +274,8 @@ SCENARIOS = {
     "transformer_orig": (("transformer", "transformer", "FULL_SHARD", True), {"reload": True, "clip": CLIP}),
     "transformer_zero2_size": (("transformer", "size", "SHARD_GRAD_OP", False), {"clip": CLIP}),
     "mlp_no_shard_orig": (("mlp", "always", "NO_SHARD", True), {"reload": True}),
-    "mlp_no_sync": (("mlp", "module", "FULL_SHARD", False), {"accumulate": 2}),
+    "mlp_no_sync": (("mlp", "module", "FULL_SHARD", False), {"accumulate": 2, "sharded": True}),
+    "transformer_sharded_sd_orig": (("transformer", "transformer", "FULL_SHARD", True), {"sharded": True}),
     "mlp_no_sync_zero2_orig": (("mlp", "size", "SHARD_GRAD_OP", True), {"accumulate": 2}),
     "transformer_bf16_orig": (("transformer", "transformer", "FULL_SHARD", True),
                               {"bf16": True, "clip": CLIP, "accumulate": 2}),
@@ -335,3 +378,14 @@ def test_names_shapes_summon_and_errors_match_torch(runs, observation):
             _close(mine["after_local_load"], theirs["after_local_load"], "local state dict load vs torch")
         else:
             assert observation == "observe_orig" and world_size > 1, theirs["local_load"]
+
+
+@pytest.mark.parametrize("scenario", [s for s, (_, o) in SCENARIOS.items() if o.get("sharded")])
+def test_sharded_state_dict_round_trip_through_distributed_checkpoint(runs, scenario):
+    world_size, want, got = runs
+    for rank in range(world_size):
+        mine, theirs = got[rank][scenario], want[rank][scenario]
+        assert mine["sharded_keys"] == theirs["sharded_keys"]
+        assert mine["sharded_optim_keys"] == theirs["sharded_optim_keys"]
+        _close(mine["sharded_after_reload"], mine["sharded_after_original"], f"{scenario} reloaded model")
+        _close(mine["sharded_after_reload"], theirs["sharded_after_original"], f"{scenario} reloaded vs torch")

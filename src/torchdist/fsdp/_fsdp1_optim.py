@@ -20,8 +20,10 @@ import torch.nn as nn
 
 from .._c10d.collectives import all_gather_into_tensor
 from .._c10d.object_collectives import all_gather_object
+from ..tensor import DTensor, Shard, distribute_tensor
 from ._flat_param import FlatParamHandle, ParamInfo
 from ._fsdp1_runtime import lazy_init
+from ._fsdp1_state_dict import sharded_params
 from .api import StateDictType
 
 if TYPE_CHECKING:
@@ -67,15 +69,10 @@ def _owners(model: nn.Module) -> tuple[list[FullyShardedDataParallel], dict[int,
     return units, owners
 
 
-def _check_type(model: nn.Module) -> Any:
+def _settings(model: nn.Module) -> Any:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-    settings = FullyShardedDataParallel.get_state_dict_type(model)
-    if settings.state_dict_type != StateDictType.FULL_STATE_DICT:
-        raise NotImplementedError(f"optim_state_dict: torchdist's FSDP1 supports FULL_STATE_DICT only, got "
-                                  f"{settings.state_dict_type}; use FSDP.state_dict_type(model, "
-                                  "StateDictType.FULL_STATE_DICT)")
-    return settings.optim_state_dict_config
+    return FullyShardedDataParallel.get_state_dict_type(model)
 
 
 def _params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -84,7 +81,8 @@ def _params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any] | None,
                      force_full: bool = False) -> dict[str, Any]:
-    config = _check_type(model) if not force_full else None
+    settings = _settings(model) if not force_full else None
+    config = settings.optim_state_dict_config if settings is not None else None
     osd = optim.state_dict() if osd is None else osd
     units, owners = _owners(model)
     params = _params(optim)
@@ -111,6 +109,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[s
     if rank0_only and units and units[0].rank != 0:
         return {}
     ordered = {f: out_state[f] for p in params for f in owners[id(p)].fqns if f in out_state}
+    if settings is not None and settings.state_dict_type != StateDictType.FULL_STATE_DICT:
+        ordered = _to_dtensors(ordered, sharded_params(model))  # as PyTorch: LOCAL and SHARDED give sharded states
     if any(unit._use_orig_params for unit in units):  # PyTorch's order then: by name
         ordered = dict(sorted(ordered.items()))
     groups = []
@@ -191,12 +191,25 @@ def _is_sharded_state(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
+def _to_dtensors(state: dict[str, dict[str, Any]], meshes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """SHARDED_STATE_DICT: each parameter's tensor states as this rank's dim-0 chunk (DTensor ``Shard(0)``), like
+    the parameters in the model's sharded state dict."""
+    out = {}
+    for fqn, entries in state.items():
+        mesh = meshes.get(fqn)
+        out[fqn] = {key: distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)  # (no communication)
+                    if mesh is not None and _is_sharded_state(value) else value
+                    for key, value in entries.items()}
+    return out
+
+
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
                              osd: dict[str, Any]) -> dict[str, Any]:
-    _check_type(model)
+    _settings(model)
     _, owners = _owners(model)
     params = _params(optim)
-    state_in = osd["state"]
+    state_in = {fqn: {key: value.full_tensor() if isinstance(value, DTensor) else value
+                      for key, value in entries.items()} for fqn, entries in osd["state"].items()}
     state_out: dict[int, dict[str, Any]] = {}
     for index, param in enumerate(params):
         owner = owners.get(id(param))

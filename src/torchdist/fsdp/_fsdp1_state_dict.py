@@ -11,6 +11,10 @@ State dicts are nn.Module hooks on every unit; the outermost unit of a call
   ``_fsdp_wrapped_module.``, clone (empty dict on ranks > 0 with ``rank0_only``);
   load = unshard, rename the keys back, let ``nn.Module`` copy into the views,
   write back.
+- SHARDED_STATE_DICT: as FULL, then every parameter FSDP shards becomes this
+  rank's dim-0 chunk, a DTensor ``Shard(0)`` on the unit's shard group (PyTorch
+  gives a ShardedTensor unless FSDP got a device_mesh); load = the DTensors made
+  whole (``full_tensor``), then as FULL. ``torchdist.checkpoint`` saves these.
 - LOCAL_STATE_DICT: each unit's ``_flat_param`` is this rank's unpadded part of
   the flat shard (PyTorch wraps it in a ``ShardedTensor``; torchdist gives the
   plain tensor), with the clean key ``<unit>._flat_param``; with ``use_orig_params``
@@ -28,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from .._c10d.collectives import all_gather_into_tensor
+from ..device_mesh import DeviceMesh
+from ..tensor import DTensor, Shard, distribute_tensor
 from ._flat_param import FLAT_PARAM
 from ._fsdp1_runtime import TrainingState, lazy_init
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
@@ -37,7 +43,7 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["unshard_params", "register_hooks", "set_state_dict_type", "get_state_dict_type"]
+__all__ = ["unshard_params", "register_hooks", "sharded_params", "set_state_dict_type", "get_state_dict_type"]
 
 _PREFIX = "_fsdp_wrapped_module."
 _CONFIGS = {
@@ -158,13 +164,9 @@ def _effective(unit: FullyShardedDataParallel) -> tuple[StateDictType, Any]:
 
 def _enter(owner: FullyShardedDataParallel, writeback: bool, rank0_only: bool) -> None:
     state_dict_type = _effective(owner)[0]
-    if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        raise NotImplementedError("FSDP1 SHARDED_STATE_DICT is not supported by torchdist yet; use "
-                                  "FULL_STATE_DICT or LOCAL_STATE_DICT, or fully_shard (FSDP2), whose state dict "
-                                  "holds DTensors")
     lazy_init(owner)
     owner._sd_context = contextlib.ExitStack()
-    if state_dict_type == StateDictType.FULL_STATE_DICT:
+    if state_dict_type in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
         owner._sd_context.enter_context(unshard_params(_units_of(owner), writeback=writeback,
                                                        rank0_only=rank0_only, offload_to_cpu=False,
                                                        with_grads=False))
@@ -193,19 +195,41 @@ def _post_save(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, lo
     try:
         state_dict_type, config = _effective(unit)
         full = state_dict_type == StateDictType.FULL_STATE_DICT
+        sharded = sharded_params(unit) if state_dict_type == StateDictType.SHARDED_STATE_DICT else {}
         items = [(k, v) for k, v in state_dict.items() if k.startswith(prefix)]
         for key, _ in items:
             del state_dict[key]
         if full and getattr(config, "rank0_only", False) and unit.rank != 0:
             return
         for key, value in items:
-            if full and isinstance(value, torch.Tensor):
+            name = key[len(prefix):].replace(_PREFIX, "")
+            if name in sharded:  # this rank's dim-0 chunk of the whole parameter, as a DTensor
+                mesh = sharded[name]
+                value = distribute_tensor(value.detach(), mesh, [Shard(0)], src_data_rank=None)  # no communication
+            elif full and isinstance(value, torch.Tensor):
                 value = value.detach().clone()
             if config.offload_to_cpu and isinstance(value, torch.Tensor):
                 value = value.cpu()
-            state_dict[prefix + key[len(prefix):].replace(_PREFIX, "")] = value
+            state_dict[prefix + name] = value
     finally:
         _exit(unit)
+
+
+def sharded_params(owner: FullyShardedDataParallel) -> dict[str, DeviceMesh]:
+    """SHARDED_STATE_DICT: the names (relative to ``owner``, without FSDP's prefixes) of the parameters FSDP
+    shards, each with the 1-D mesh of its unit's shard group. PyTorch gives ShardedTensors, or DTensors when FSDP
+    was given a device_mesh; torchdist gives DTensors ``Shard(0)`` always (what torchdist.checkpoint saves)."""
+    meshes: dict[int, DeviceMesh] = {}
+    names: dict[str, DeviceMesh] = {}
+    for fqn, sub in owner.named_modules():
+        if not isinstance(sub, type(owner)) or sub._handle is None or sub._handle.world == 1:
+            continue
+        group = sub._handle.shard_group
+        mesh = meshes.setdefault(id(group), DeviceMesh.from_group(group, "cpu"))
+        base = (fqn + "." if fqn else "").replace(_PREFIX, "")
+        for info in sub._handle.unique:
+            names[(base + info.fqn).replace(_PREFIX, "")] = mesh
+    return names
 
 
 def _pre_load(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -233,6 +257,8 @@ def _pre_load(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, loc
                 if not sub._use_orig_params:
                     state_dict[(fqn + "." if fqn else "") + _PREFIX + FLAT_PARAM] = handle.local_shard.clone()
     for key in [k for k in state_dict if k.startswith(prefix)]:
+        if isinstance(state_dict[key], DTensor):  # SHARDED_STATE_DICT: the whole parameter, then loaded as full
+            state_dict[key] = state_dict[key].full_tensor()
         if key in actual and actual[key] != key:
             state_dict[actual[key]] = state_dict.pop(key)
 
