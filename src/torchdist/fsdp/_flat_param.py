@@ -36,6 +36,8 @@ from .api import MixedPrecision
 __all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "predivide_factor"]
 
 FLAT_PARAM = "_flat_param"
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"  # the attribute that holds a unit's module (PyTorch's name)
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."  # what state dicts and clean names drop
 FSDP_FLATTENED = "_fsdp_flattened"  # marks parameters already managed by an FSDP unit (name as in PyTorch)
 _ALIGNMENT_BYTES = 16
 _PADDING_VALUE = 42

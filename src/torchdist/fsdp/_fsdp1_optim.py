@@ -21,7 +21,7 @@ import torch.nn as nn
 from .._c10d.collectives import all_gather_into_tensor
 from .._c10d.object_collectives import all_gather_object
 from ..tensor import DTensor, Shard, distribute_tensor
-from ._flat_param import FlatParamHandle, ParamInfo
+from ._flat_param import FSDP_WRAPPED_MODULE, FlatParamHandle, ParamInfo
 from ._fsdp1_runtime import lazy_init
 from ._fsdp1_state_dict import sharded_params
 from .api import StateDictType
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load"]
 
-_PREFIX = "_fsdp_wrapped_module"
 
 
 class _Owner:
@@ -42,7 +41,7 @@ class _Owner:
 
 
 def _clean(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != _PREFIX)
+    return ".".join(part for part in name.split(".") if part != FSDP_WRAPPED_MODULE)
 
 
 def _owners(model: nn.Module) -> tuple[list[FullyShardedDataParallel], dict[int, _Owner]]:

@@ -34,7 +34,7 @@ import torch.nn as nn
 from .._c10d.collectives import all_gather_into_tensor
 from ..device_mesh import DeviceMesh
 from ..tensor import DTensor, Shard, distribute_tensor
-from ._flat_param import FLAT_PARAM
+from ._flat_param import FLAT_PARAM, FSDP_PREFIX
 from ._fsdp1_runtime import TrainingState, lazy_init
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                   ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictSettings,
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["unshard_params", "register_hooks", "sharded_params", "set_state_dict_type", "get_state_dict_type"]
 
-_PREFIX = "_fsdp_wrapped_module."
 _CONFIGS = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
@@ -188,8 +187,8 @@ def _post_save(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, lo
     if _effective(unit)[0] == StateDictType.LOCAL_STATE_DICT and unit._handle is not None:
         handle = unit._handle
         valid = max(0, min(handle.chunk, handle.numel - handle.rank * handle.chunk))
-        state_dict.pop(prefix + _PREFIX + FLAT_PARAM, None)
-        state_dict[prefix + _PREFIX + FLAT_PARAM] = handle.local_shard[:valid]
+        state_dict.pop(prefix + FSDP_PREFIX + FLAT_PARAM, None)
+        state_dict[prefix + FSDP_PREFIX + FLAT_PARAM] = handle.local_shard[:valid]
     if not _owner or _owner[-1] is not unit:
         return
     try:
@@ -202,7 +201,7 @@ def _post_save(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, lo
         if full and getattr(config, "rank0_only", False) and unit.rank != 0:
             return
         for key, value in items:
-            name = key[len(prefix):].replace(_PREFIX, "")
+            name = key[len(prefix):].replace(FSDP_PREFIX, "")
             if name in sharded:  # this rank's dim-0 chunk of the whole parameter, as a DTensor
                 mesh = sharded[name]
                 value = distribute_tensor(value.detach(), mesh, [Shard(0)], src_data_rank=None)  # no communication
@@ -226,9 +225,9 @@ def sharded_params(owner: FullyShardedDataParallel) -> dict[str, DeviceMesh]:
             continue
         group = sub._handle.shard_group
         mesh = meshes.setdefault(id(group), DeviceMesh.from_group(group, "cpu"))
-        base = (fqn + "." if fqn else "").replace(_PREFIX, "")
+        base = (fqn + "." if fqn else "").replace(FSDP_PREFIX, "")
         for info in sub._handle.unique:
-            names[(base + info.fqn).replace(_PREFIX, "")] = mesh
+            names[(base + info.fqn).replace(FSDP_PREFIX, "")] = mesh
     return names
 
 
@@ -239,14 +238,14 @@ def _pre_load(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, loc
     _enter(unit, writeback=True, rank0_only=False)
     actual = {}
     for name, _ in nn.Module.named_parameters(unit, prefix=prefix[:-1] if prefix else "", remove_duplicate=False):
-        actual[name.replace(_PREFIX, "")] = name
+        actual[name.replace(FSDP_PREFIX, "")] = name
     for name, _ in nn.Module.named_buffers(unit, prefix=prefix[:-1] if prefix else "", remove_duplicate=False):
-        actual[name.replace(_PREFIX, "")] = name
+        actual[name.replace(FSDP_PREFIX, "")] = name
     if _effective(unit)[0] == StateDictType.LOCAL_STATE_DICT:
         for fqn, sub in unit.named_modules(prefix=prefix[:-1] if prefix else ""):
             if isinstance(sub, type(unit)) and sub._handle is not None and \
                     _effective(sub)[0] == StateDictType.LOCAL_STATE_DICT:
-                clean = (fqn + "." if fqn else "").replace(_PREFIX, "") + FLAT_PARAM
+                clean = (fqn + "." if fqn else "").replace(FSDP_PREFIX, "") + FLAT_PARAM
                 value = state_dict.pop(clean, None)
                 if value is None:
                     continue
@@ -255,7 +254,7 @@ def _pre_load(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, loc
                     handle.local_shard.zero_()
                     handle.local_shard[:value.numel()].copy_(value.reshape(-1))
                 if not sub._use_orig_params:
-                    state_dict[(fqn + "." if fqn else "") + _PREFIX + FLAT_PARAM] = handle.local_shard.clone()
+                    state_dict[(fqn + "." if fqn else "") + FSDP_PREFIX + FLAT_PARAM] = handle.local_shard.clone()
     for key in [k for k in state_dict if k.startswith(prefix)]:
         if isinstance(state_dict[key], DTensor):  # SHARDED_STATE_DICT: the whole parameter, then loaded as full
             state_dict[key] = state_dict[key].full_tensor()

@@ -28,7 +28,8 @@ from .._c10d.world import WORLD
 from .._process_group.process_group import ProcessGroup
 from .._process_group.reduce_op import ReduceOp
 from . import _fsdp1_optim, _fsdp1_state_dict
-from ._flat_param import FLAT_PARAM, FSDP_FLATTENED, FlatParameter, FlatParamHandle, ParamInfo
+from ._flat_param import (FLAT_PARAM, FSDP_FLATTENED, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FlatParameter,
+                          FlatParamHandle, ParamInfo)
 from ._fsdp1_runtime import TrainingState, lazy_init, post_backward, post_forward, pre_forward
 from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
                   ShardingStrategy, StateDictSettings, StateDictType)
@@ -36,8 +37,6 @@ from .wrap import _auto_wrap
 
 __all__ = ["FullyShardedDataParallel"]
 
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
