@@ -92,7 +92,8 @@ def reduce_gradients(params: list[FSDPParam], grads: list[torch.Tensor], mesh_in
             work = comm(output_tensor=out, input_tensor=flat, group=mesh_info.shard_group, op=rs_op)
             if work is not None:
                 work.wait()
-        else:  # nothing to scatter: a custom factor still divides
+        else:  # nothing to scatter: a custom factor still divides (and with a SUM, ``post`` divides again, as
+            # PyTorch 2.13 does: kept so that training matches PyTorch's; docs/design/fsdp.md)
             out = flat / divide_factor if divide_factor is not None else flat
         if replicate_group is not None:
             if partial is not None:

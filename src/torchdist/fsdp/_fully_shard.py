@@ -2,8 +2,9 @@
 
 ``fully_shard(module)`` makes one parameter group of the parameters of
 ``module`` that no earlier ``fully_shard`` call on a submodule took (so it is
-applied bottom-up: blocks first, the root last), shards each parameter along
-dim 0 of the mesh's shard dimension, registers the shards on the module as
+applied bottom-up: blocks first, the root last), shards each parameter over
+the mesh's shard dimension (along dim 0, or the dim ``shard_placement_fn``
+picks), registers the shards on the module as
 ``nn.Parameter(DTensor)``, and changes the module's class to ``FSDP<Class>``, a
 subclass of both :class:`FSDPModule` and the original class.
 """
@@ -42,7 +43,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 dp_mesh_dims: DataParallelMeshDims | None = None) -> Any:
     """Shard ``module``'s parameters over ``mesh`` (default: 1-D over the world) and gather them around its forward
     and backward; see the module docstring. A list of modules makes one group communicated together. Returns the
-    module (or the list), now ``FSDPModule`` instance(s)."""
+    module (or the list), now ``FSDPModule`` instance(s). ``offload_policy`` is accepted and has no effect: on a
+    CPU mesh the sharded parameters and gradients are on the host already."""
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules; pass a module or a non-empty list of modules")
@@ -56,7 +58,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     if not isinstance(reshard, bool):  # an int k: between forward and backward, shards over groups of k ranks
         post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, reshard))
         post_forward_mesh_info = MeshInfo(post_forward_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    # offload_policy: on a CPU mesh the sharded parameters and gradients are on the host already
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored_params or set())
     names = _param_names(modules, params)
@@ -326,14 +327,14 @@ class FSDPModule:
             group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Checked and accepted: CPU reduce-scatters complete before the next one starts, so one buffer is used."""
+        """A no-op once checked: CPU reduce-scatters complete before the next one starts, so one buffer is used."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Accepted: on CPU, all-gather and reduce-scatter never overlap here, so one group serves both."""
+        """A no-op: on CPU, all-gather and reduce-scatter never overlap here, so one group serves both."""
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters (False for e.g. an embedding whose grads come anyway)."""

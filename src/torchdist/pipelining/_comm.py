@@ -1,4 +1,5 @@
-"""How stages talk: tensors by ``isend``/``irecv`` on the pipeline group, small objects by send/recv_object_list.
+"""How stages talk: tensors by ``isend``/``irecv`` on the pipeline group; the set-up's small objects pickled into
+tensors on tags of their own (above every tensor tag), so they never meet a tensor message.
 
 Every tensor message has its own tag, derived from (direction, sending stage,
 microbatch, argument index), so messages between two ranks can never be
