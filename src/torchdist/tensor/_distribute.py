@@ -18,7 +18,7 @@ import torch.nn as nn
 from .._c10d.collectives import broadcast, scatter
 from ..device_mesh import DeviceMesh
 from ._api import DTensor, _current_mesh
-from ._placements import Partial, Placement, Replicate, Shard, shard_size_and_offset, pad_dim
+from ._placements import Partial, Placement, Replicate, Shard, shard_size_and_offset
 from ._spec import DTensorSpec, TensorMeta, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module"]
@@ -36,17 +36,13 @@ def _group_rank_of(mesh: DeviceMesh, mesh_dim: int, src_data_rank: int) -> int:
 def _scatter_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, dim: int, src: int) -> torch.Tensor:
     """This rank's chunk along ``dim`` of the group source's ``tensor`` (padded scatter for uneven chunks)."""
     world = mesh.size(mesh_dim)
-    rank = mesh.get_local_rank(mesh_dim)
-    size = tensor.size(dim)
-    full = -(-size // world)
     if world == 1:
         return tensor
-    moved = pad_dim(tensor, dim, full * world).movedim(dim, 0)
-    pieces = [p.contiguous() for p in moved.split(full)] if full else [moved.contiguous()] * world
+    rank = mesh.get_local_rank(mesh_dim)
+    pieces, _ = Shard(dim)._split_tensor(tensor, world, with_padding=True)
     out = torch.empty_like(pieces[0])
     scatter(out, pieces if rank == src else None, group_src=src, group=mesh.get_group(mesh_dim))
-    length = shard_size_and_offset(size, world, rank)[0]
-    return out.narrow(0, 0, length).movedim(0, dim).contiguous()
+    return out.narrow(dim, 0, shard_size_and_offset(tensor.size(dim), world, rank)[0]).contiguous()
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
