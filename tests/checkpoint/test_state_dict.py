@@ -124,3 +124,32 @@ def test_optimizer_state_round_trips_through_a_checkpoint(ckpt_dir):
     torch.manual_seed(2)
     _train(fresh_model, fresh_optimizer)  # the restored run continues exactly as the original
     assert_same(our_sd.get_model_state_dict(fresh_model), our_sd.get_model_state_dict(model))
+
+
+def _load_into_meta_models(rank: int, world_size: int) -> list:
+    """A full state dict (given on rank 0, broadcast) materializes a model built on the meta device, plain and
+    under fully_shard, as PyTorch's set_model_state_dict does (it assigns instead of copying)."""
+    from torchdist.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    full = {k: v.clone() for k, v in reference.state_dict().items()}
+    x = torch.ones(2, 4)
+    seen = []
+    for shard in (False, True):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+        if shard:
+            fully_shard(model)
+        options = our_sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        our_sd.set_model_state_dict(model, full if rank == 0 else {}, options=options)
+        weight = model[0].weight
+        seen.append((weight.device.type, (weight.to_local() if shard else weight).device.type,
+                     torch.allclose(model(x), reference(x))))
+    return seen
+
+
+def test_full_state_dict_materializes_a_meta_model():
+    from torchdist.testing import run_ranks
+
+    assert run_ranks(_load_into_meta_models, 2, backend="gloo", timeout=60) == [[("cpu", "cpu", True)] * 2] * 2

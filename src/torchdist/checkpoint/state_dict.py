@@ -133,7 +133,9 @@ def _like(current: Any, given: Any) -> Any:
     if tuple(given.shape) != tuple(view.size):
         raise ValueError(f"set_state_dict: a full tensor of shape {tuple(given.shape)} was given for a DTensor of "
                          f"global shape {tuple(view.size)}")
-    local = current.to_local().detach().clone()
+    local = current.to_local().detach()
+    # a model built on the meta device (to be materialized by this load) has no data to clone
+    local = torch.empty_like(local, device=given.device) if local.is_meta else local.clone()
     for chunk in view.chunks:
         local.copy_(narrow(given, chunk.offsets, chunk.tensor.shape))
     return type(current).from_local(local, current.device_mesh, current.placements, run_check=False,
@@ -347,8 +349,12 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
         elif options.strict and fqn != key:  # under a wrapper; load_state_dict would report the prefixed key
             raise RuntimeError(f"Missing key: {fqn}.")
     to_load.update(given)  # what matches nothing: load_state_dict reports it as unexpected
+    # A whole state_dict loaded into a model on the meta device replaces its tensors (PyTorch's rule): copying
+    # into meta tensors would keep nothing.
+    assign = (options.full_state_dict or options.broadcast_from_rank0) and any(
+        isinstance(v, torch.Tensor) and v.is_meta for v in local.values())
     with torch.no_grad():
-        return model.load_state_dict(to_load, strict=options.strict)
+        return model.load_state_dict(to_load, strict=options.strict, assign=assign)
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
