@@ -153,3 +153,46 @@ def test_full_state_dict_materializes_a_meta_model():
     from torchdist.testing import run_ranks
 
     assert run_ranks(_load_into_meta_models, 2, backend="gloo", timeout=60) == [[("cpu", "cpu", True)] * 2] * 2
+
+
+def _fsdp1_resume_through_dcp(rank: int, world_size: int, path: str) -> list:
+    """The DCP tutorial's loop on an FSDP1 model: get_state_dict -> save -> a fresh model and optimizer ->
+    get_state_dict -> load -> set_state_dict; then one more step on both gives the same parameters."""
+    from torchdist.fsdp import FullyShardedDataParallel as FSDP
+
+    def build():
+        torch.manual_seed(0)
+        model = FSDP(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)))
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step(model, optim, scale):
+        model(torch.ones(2, 4) * scale).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    model, optim = build()
+    for scale in (1.0, 2.0):
+        step(model, optim, scale + rank)
+    model_sd, optim_sd = our_sd.get_state_dict(model, optim)
+    keys = sorted(optim_sd["state"])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fresh, fresh_optim = build()
+    step(fresh, fresh_optim, 5.0)  # different states, overwritten by the load
+    target_model, target_optim = our_sd.get_state_dict(fresh, fresh_optim)
+    target = {"model": target_model, "optim": target_optim}
+    dcp.load(target, checkpoint_id=path)
+    our_sd.set_state_dict(fresh, fresh_optim, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    for m, o in ((model, optim), (fresh, fresh_optim)):
+        step(m, o, 3.0 + rank)
+    full = our_sd.StateDictOptions(full_state_dict=True)
+    original, resumed = our_sd.get_model_state_dict(model, options=full), our_sd.get_model_state_dict(fresh,
+                                                                                                      options=full)
+    return [keys, all(torch.allclose(original[k], resumed[k]) for k in original)]
+
+
+def test_fsdp1_model_and_optimizer_resume_through_a_checkpoint(ckpt_dir):
+    from torchdist.testing import run_ranks
+
+    results = run_ranks(_fsdp1_resume_through_dcp, 2, args=(str(ckpt_dir),), backend="gloo", timeout=60)
+    names = ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert results == [[names, True]] * 2

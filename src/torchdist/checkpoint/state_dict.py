@@ -14,8 +14,9 @@ a compiled module's ``_orig_mod``), so that this layer does not import them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -27,6 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .._c10d.collectives import broadcast
 from .._c10d.init import get_rank, is_initialized
 from .._c10d.object_collectives import broadcast_object_list
+from ..fsdp import FullyShardedDataParallel, StateDictType
 from ..tensor import DTensor
 from ._chunks import narrow, tensor_view
 
@@ -187,6 +189,18 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     optim.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _fsdp1_state_dict_type(model: nn.Module, options: StateDictOptions) -> Iterator[bool]:
+    """Inside: ``model``'s FSDP1 units (if any, yields True) give whole tensors with ``full_state_dict``, else
+    ``Shard(0)`` DTensors, as PyTorch sets FULL_STATE_DICT or SHARDED_STATE_DICT around these helpers."""
+    if not FullyShardedDataParallel.fsdp_modules(model):
+        yield False
+        return
+    kind = StateDictType.FULL_STATE_DICT if options.full_state_dict else StateDictType.SHARDED_STATE_DICT
+    with FullyShardedDataParallel.state_dict_type(model, kind):
+        yield True
+
+
 def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
     return {param: _fqn(model, name) for name, param in model.named_parameters()}
 
@@ -240,6 +254,12 @@ def _get_optim_state_dict(model: nn.Module, optimizers: tuple, options: StateDic
     out: dict[str, Any] = {_STATE: {}, _PG: []}
     for optim in optimizers:
         _init_optim_state(optim)
+        with _fsdp1_state_dict_type(model, options) as fsdp1:
+            if fsdp1:  # FSDP1 keys states by the original parameters' names itself, from its flat shards
+                osd = FullyShardedDataParallel.optim_state_dict(model, optim)
+                out[_STATE].update(osd[_STATE])
+                out[_PG].extend(osd[_PG])
+                continue
         osd = optim.state_dict()
         params = list(chain.from_iterable(group[_PARAMS] for group in optim.param_groups))
         pid_to_fqn = {pid: fqns[p] for pid, p in enumerate(params) if p in fqns}
@@ -257,6 +277,10 @@ def _load_optim_state_dict(model: nn.Module, optimizers: tuple, osd: dict[str, A
                            options: StateDictOptions) -> None:
     fqns = _param_fqns(model)
     flat = bool(osd) and _STATE not in osd and _PG not in osd
+    fsdp1 = bool(FullyShardedDataParallel.fsdp_modules(model))
+    if fsdp1 and flat:
+        raise ValueError("set_optimizer_state_dict: a flattened optimizer state_dict cannot be loaded into an FSDP1 "
+                         "model; save it with flatten_optimizer_state_dict=False")
     for optim in optimizers:
         _init_optim_state(optim)
         current = optim.state_dict()
@@ -265,6 +289,10 @@ def _load_optim_state_dict(model: nn.Module, optimizers: tuple, osd: dict[str, A
             box = [mine if get_rank() == 0 else None]
             broadcast_object_list(box, src=0)
             mine = box[0]
+        if fsdp1:  # FSDP1 cuts the named states into its flat shards itself
+            with _fsdp1_state_dict_type(model, options):
+                optim.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optim, mine))
+            continue
         params = list(chain.from_iterable(group[_PARAMS] for group in optim.param_groups))
         state, groups = {}, []
         for pid, param in enumerate(params):
@@ -296,7 +324,7 @@ def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None 
                          options: StateDictOptions | None = None) -> dict[str, Any]:
     """The model's state_dict keyed by FQN (no ``module.`` prefix of DDP)."""
     options = _options(options)
-    with torch.no_grad():
+    with torch.no_grad(), _fsdp1_state_dict_type(model, options):
         state_dict = _unwrap_state_dict(model, model.state_dict())
     if submodules:
         warnings.warn("Getting submodules only model/optim state_dict is deprecated and will be removed in 2.5. "
@@ -337,6 +365,12 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
     options = _options(options)
     if not model_state_dict and not options.broadcast_from_rank0:
         return _IncompatibleKeys([], [])
+    with _fsdp1_state_dict_type(model, options):
+        return _set_model_state_dict(model, model_state_dict, options)
+
+
+def _set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any],
+                          options: StateDictOptions) -> _IncompatibleKeys:
     local = model.state_dict()
     if options.broadcast_from_rank0:
         model_state_dict = _broadcast_from_rank0(model_state_dict, [_fqn(model, k) for k in local])
