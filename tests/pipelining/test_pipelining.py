@@ -151,13 +151,14 @@ class _Traced(nn.Module):
         torch.manual_seed(0)
         self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(4)])
         self.scale = nn.Parameter(torch.ones(WIDTH))
+        self.head = nn.Linear(WIDTH, WIDTH)  # a top-level module after nested ones: stages keep the model's order
 
     def forward(self, x):
         skip = x * self.scale
         x = torch.tanh(self.layers[0](x))
         x = self.layers[1](x)
         x = self.layers[2](x) + skip  # skip crosses the split before layers.2
-        return self.layers[3](torch.relu(x))
+        return self.head(self.layers[3](torch.relu(x)))
 
 
 class _Marked(_Traced):
@@ -168,7 +169,7 @@ class _Marked(_Traced):
         pipe_split()
         x = self.layers[2](x)
         pipe_split()
-        return self.layers[3](x)
+        return self.head(self.layers[3](x))
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own tracer deep-copies a LeafSpec
@@ -187,8 +188,8 @@ def test_tracer_splits_at_the_spec_and_at_pipe_split_like_torch():
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
     for i in range(3):
-        mine = {n for n, _ in pipe.get_stage_module(i).named_parameters()}
-        assert mine == {n for n, _ in theirs.get_stage_module(i).named_parameters()}, i
+        mine = [n for n, _ in pipe.get_stage_module(i).named_parameters()]  # the model's order, as torch keeps it
+        assert mine == [n for n, _ in theirs.get_stage_module(i).named_parameters()], i
         for n, p in pipe.get_stage_module(i).named_parameters():  # shared with the model, not copied
             assert p is model.get_parameter(n)
     marked = pipeline(_Marked(), (x,))

@@ -170,18 +170,6 @@ def _stage_graphs(gm: fx.GraphModule, where: dict[fx.Node, int], n: int) -> list
     return graphs
 
 
-def _owned(model: nn.Module, graph: fx.Graph) -> dict[str, Any]:
-    """The submodules, parameters and buffers a stage graph reaches, by qualified name (shared, not copied)."""
-    owned = {}
-    for node in graph.nodes:
-        if node.op in ("call_module", "get_attr"):
-            target = model
-            for part in node.target.split("."):
-                target = getattr(target, part)
-            owned[node.target] = target
-    return owned
-
-
 def pipeline(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any] | None = None,
              split_spec: dict[str, SplitPoint] | None = None,
              split_policy: Callable[[fx.GraphModule], fx.GraphModule] | None = None) -> Pipe:
@@ -207,7 +195,9 @@ def pipeline(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, A
     graphs = _stage_graphs(gm, where, n)
     split_gm = fx.GraphModule(nn.Module(), fx.Graph())
     for k, graph in enumerate(graphs):
-        split_gm.add_module(f"submod_{k}", fx.GraphModule(_owned(module, graph), graph, f"submod_{k}"))
+        # With the model as root, fx takes (shares, not copies) the submodules, parameters and buffers the stage's
+        # graph reaches, in the order the graph reaches them: the stage's parameters keep the model's order.
+        split_gm.add_module(f"submod_{k}", fx.GraphModule(module, graph, f"submod_{k}"))
     examples = []
     with torch.no_grad():
         values: tuple = mb_args
