@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from fsdp._common import TinyTransformer  # the FSDP2 tests' transformer (uneven shards at world 2-4)
-
-STEPS = 2
-LOCAL_BATCH = 2
-LR = 0.05
+from fsdp._common import LR, TinyTransformer, batches, loss_of  # the FSDP2 tests' data, loss and transformer
 
 
 class MLP(nn.Module):
@@ -32,22 +27,6 @@ class MLP(nn.Module):
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     return MLP() if kind == "mlp" else TinyTransformer()
-
-
-def batches(kind: str, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    n = LOCAL_BATCH * world_size
-    if kind == "mlp":
-        return [(torch.randn(n, 5, generator=g), torch.randn(n, 2, generator=g)) for _ in range(STEPS)]
-    return [(torch.randint(0, 11, (n, 5), generator=g), torch.randint(0, 11, (n, 5), generator=g))
-            for _ in range(STEPS)]
-
-
-def loss_of(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    out = out.float()
-    if kind == "mlp":
-        return F.mse_loss(out, target)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def train_reference(kind: str, world_size: int, accumulate: int = 1, clip: float | None = None,
