@@ -9,6 +9,7 @@ gradients equal the single-process gradients of the whole batch.
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -128,3 +129,20 @@ def libs(lib: str):
 
     return (torchdist, importlib.import_module("torchdist.fsdp"),
             importlib.import_module("torchdist.device_mesh").init_device_mesh)
+
+
+class OncePerWorldSize:
+    """``run_both(rank, world_size) -> (torch's observations, torchdist's)`` spawned once per world size for a
+    whole test module; calls give (world size, torch's per-rank observations, torchdist's)."""
+
+    def __init__(self, run_both: Callable) -> None:
+        self._run_both = run_both
+        self._results: dict[int, tuple[int, list, list]] = {}
+
+    def __call__(self, world_size: int) -> tuple[int, list, list]:
+        if world_size not in self._results:
+            from torchdist.testing import run_ranks
+
+            results = run_ranks(self._run_both, world_size, timeout=100)
+            self._results[world_size] = (world_size, [w for w, _ in results], [g for _, g in results])
+        return self._results[world_size]

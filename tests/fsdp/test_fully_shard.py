@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from torchdist.testing import free_port, run_ranks
+from torchdist.testing import free_port
 
-from ._common import batches, libs, loss_of, make_model, optimizer, train_reference
+from ._common import OncePerWorldSize, batches, libs, loss_of, make_model, optimizer, train_reference
 
 WORLD_SIZES = (1, 2, 3, 4)
 MICRO_BATCHES = 2
@@ -299,15 +299,7 @@ SCENARIOS = {
 }
 
 
-_RESULTS: dict[int, tuple] = {}
-
-
-def _results(world_size: int) -> tuple[int, list, list]:
-    """(world size, torch's per-rank observations, torchdist's): one spawn per world size for the whole module."""
-    if world_size not in _RESULTS:
-        results = run_ranks(_run_both, world_size, timeout=100)
-        _RESULTS[world_size] = (world_size, [w for w, _ in results], [g for _, g in results])
-    return _RESULTS[world_size]
+_results = OncePerWorldSize(_run_both)  # one spawn per world size for the whole module
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")

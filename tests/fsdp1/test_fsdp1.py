@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchdist.testing import free_port, run_ranks
+from torchdist.testing import free_port
 
-from fsdp._common import Block
+from fsdp._common import Block, OncePerWorldSize
 
 from ._common import batches, loss_of, make_model, train_reference
 
@@ -284,14 +284,7 @@ SCENARIOS = {
 #: float32 single process, AdamW's sign-like first steps flip a few tiny gradients, so the mean difference is checked
 BF16_MEAN_VS_SINGLE = 5e-3
 
-_RESULTS: dict[int, tuple] = {}
-
-
-def _results(world_size: int) -> tuple[int, list, list]:
-    if world_size not in _RESULTS:
-        results = run_ranks(_run_both, world_size, timeout=100)
-        _RESULTS[world_size] = (world_size, [w for w, _ in results], [g for _, g in results])
-    return _RESULTS[world_size]
+_results = OncePerWorldSize(_run_both)  # one spawn per world size for the whole module
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
