@@ -448,3 +448,95 @@ def test_large_async_ops_go_to_the_worker_only_on_hosts_with_spare_cores(cores: 
             assert threads[0] == "worker", threads
         elif rank == 1:  # the later rank finds its peer inside the op and runs it itself
             assert threads[0] == "MainThread", threads
+
+
+# -- reading the peers' tensors in their processes (_transport/cross_memory) --------------------
+def _reading_peers(rank: int, world: int, sizes: list[int]) -> tuple[list | None, int, list[torch.Tensor]]:
+    """Every all-reduce op and a few dtypes over ``sizes``, every one reading the peers'
+    tensors if the group can, against torch; returns the group's pids, how many
+    all-reduces read the peers' memory, and the results."""
+    from torchdist._algorithms import shm_direct
+
+    shm_direct.CROSS_MIN_BYTES = 1
+    tests = _tcp_tests()
+    reads = []
+    run = shm_direct._cross_allreduce
+
+    def counting(*args):
+        reads.append(1)
+        run(*args)
+    shm_direct._cross_allreduce = counting
+    torch.set_num_threads(1)
+    torchdist.init_process_group("shm")
+    try:
+        backend = torchdist.group.WORLD.backend
+        results = []
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.bool):
+            for n in sizes:
+                inputs = [tests._data(r, n, dtype) for r in range(world)]
+                for op in tests._ops_for(dtype) + ([ReduceOp.AVG] if dtype.is_floating_point else []):
+                    t = inputs[rank].clone()
+                    torchdist.all_reduce(t, op)
+                    want = (tests._expected(ReduceOp.SUM, inputs) / world).to(dtype) if op == ReduceOp.AVG \
+                        else tests._expected(op, inputs)
+                    assert tests._close(t, want), (dtype, n, op)
+                    results.append(t)
+        strided = tests._data(rank, 2 * 5000, torch.float32)[::2]  # not contiguous: read from a copy
+        torchdist.all_reduce(strided)
+        results.append(strided)
+        return backend._transport.board.pids, len(reads), results
+    finally:
+        torchdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_allreduce_reading_the_peers_tensors_matches_torch_bit_identically(world: int) -> None:
+    """Every all-reduce at p >= 3 reads the peers' tensors with process_vm_readv: every
+    reduce op, slices empty (n < p), uneven and over one piece."""
+    outcomes = run_ranks(_reading_peers, world, args=([1, 37, 70001],), timeout=120)
+    pids = outcomes[0][0]
+    assert pids is not None and len(set(pids)) == world
+    for pids_seen, reads, results in outcomes:
+        assert pids_seen == pids and reads == len(results)
+        assert all(torch.equal(a, b) for a, b in zip(results, outcomes[0][2]))
+
+
+def test_a_rank_that_cannot_read_its_peers_turns_it_off_for_all() -> None:
+    """TORCHDIST_SHM_CMA=0 on one rank only (as if its peers could not be read): every
+    rank sees no pids and takes the pipeline, so the ranks agree and the results hold."""
+    outcomes = run_ranks(_one_rank_without_cma, 3, args=([70001],), timeout=120)
+    for pids, reads, results in outcomes:
+        assert pids is None and reads == 0
+        assert all(torch.equal(a, b) for a, b in zip(results, outcomes[0][2]))
+
+
+def _one_rank_without_cma(rank: int, world: int, sizes: list[int]):
+    if rank == 1:
+        os.environ["TORCHDIST_SHM_CMA"] = "0"
+    return _reading_peers(rank, world, sizes)
+
+
+def _unreadable_peer(rank: int, world: int) -> tuple[str, float]:
+    """Rank 0 is told a wrong address for rank 1's tensor (as if its memory were gone)."""
+    from torchdist._transport.shm_steps import Steps
+
+    if rank == 0:
+        published = Steps.address_of
+        Steps.address_of = lambda self, j: 4096 if j == 1 else published(self, j)
+    torchdist.init_process_group("shm", timeout=timedelta(seconds=20))
+    start = time.monotonic()
+    try:
+        torchdist.all_reduce(torch.ones(1 << 20))  # 4 MiB: read from the peers
+    except DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("the read of an unmapped address did not raise")
+
+
+def test_a_failed_read_of_a_peer_raises_on_every_rank_naming_it() -> None:
+    outcomes = run_ranks(_unreadable_peer, 3, timeout=60)
+    message, elapsed = outcomes[0]
+    assert "cannot read rank 1's tensor" in message and "ALLREDUCE" in message and "TORCHDIST_SHM_CMA=0" in message, \
+        message
+    for message, elapsed in outcomes:
+        assert elapsed < 5, (elapsed, message)
+    assert all("rank 0" in message for message, _ in outcomes[1:]), outcomes

@@ -7,12 +7,18 @@ never share a cache line::
     line  0      step       word 0: collective steps this rank has published (see
                             shm_steps); negative (-1 - step) once the rank's group broke.
                             Words 1-2: a digest of the op's fingerprint, per step parity,
-                            read with the step in one cache line
+                            read with the step in one cache line. Word 3: the address,
+                            in the rank's own process, of the tensor its current
+                            collective reads peers' memory from (``cross_memory``)
     line  1      sleeping   1 while the rank blocks on its doorbell
     lines 2-3    op         the fingerprint of its current collective, one line per
                             step parity: seq, op, dtype, numel, root, redop, aux
     line  4      doorbell   a process-shared semaphore peers post to wake it
     line  5      reason     length of the abort reason, whose UTF-8 bytes fill lines 6-13
+    line 14      process    the owner's pid, the segment's address in the owner's process,
+                            and whether the owner could read every peer's memory with
+                            ``process_vm_readv`` (1) or not (2): written before setup's
+                            barrier, read after it
     line 16+2j   head       ring j -> owner: bytes rank j has written (written by j)
     line 17+2j   tail       ring j -> owner: bytes the owner has consumed (written by owner)
     CTRL + j*RING           ring j -> owner: RING bytes of message stream (shm.py)
@@ -44,17 +50,21 @@ import time
 from typing import Callable
 
 from ..errors import DistBackendError, DistNetworkError
+from . import cross_memory
 from .base import PeerTimeout
 from .shm_segment import Doorbell, Segment, clean_stale_segments, fence, wait_until_all_mapped
 
-__all__ = ["Board", "Layout", "BLOCK_S", "STEP", "DIGEST", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
+__all__ = ["Board", "Layout", "BLOCK_S", "STEP", "DIGEST", "ADDRESS", "SLEEP", "FP_LINE", "RING_LINE", "FP", "LINE"]
 
 logger = logging.getLogger(__name__)
 
 LINE = 64
 _Q = LINE // 8  # int64 words per line
-STEP, SLEEP, FP_LINE, BELL_LINE, REASON_LINE, RING_LINE = 0, 1, 2, 4, 5, 16
+STEP, SLEEP, FP_LINE, BELL_LINE, REASON_LINE, PROC_LINE, RING_LINE = 0, 1, 2, 4, 5, 14, 16
 DIGEST = 1  # word of line 0 (STEP's) holding the fingerprint digest of parity 0; parity 1 at DIGEST + 1
+ADDRESS = 3  # word of line 0: the current collective's tensor address, for peers reading it (cross_memory)
+_PROC = struct.Struct("<qqq")  # line PROC_LINE: pid, segment address in the owner's process, can read (1) or not (2)
+_PID, _CAN_READ = PROC_LINE * _Q, PROC_LINE * _Q + 2
 _REASON_BYTES = 8 * LINE
 #: seq, op, dtype, numel, root, redop, aux: one line per step parity.
 FP = struct.Struct("<qqqqqqq")
@@ -125,6 +135,10 @@ class Board:
         self.bells = [Doorbell(s.address + BELL_LINE * LINE) for s in self.segments]
         self.me = self.ctl[rank]
         self.peers = [j for j in range(size) if j != rank]
+        #: Every rank's pid if every rank can read every peer's memory (``cross_memory``), else None.
+        self.pids: list[int] | None = None
+        if size > 1 and all(view[_CAN_READ] == 1 for view in self.ctl):
+            self.pids = [view[_PID] for view in self.ctl]
         self.broken = False
         self.block_s = BLOCK_S
 
@@ -137,6 +151,7 @@ class Board:
         own = Segment.create(layout.total, rank, self.label)
         try:
             Doorbell(own.address + BELL_LINE * LINE).init()
+            _PROC.pack_into(own.buf, PROC_LINE * LINE, os.getpid(), own.address, 0)
             store.set(f"shm/segment/{rank}", own.path)
             segments = []
             for peer in range(self.size):
@@ -146,6 +161,8 @@ class Board:
                 path = store.get(f"shm/segment/{peer}").decode()
                 segments.append(Segment.attach(path, layout.total, self.label, self.names[peer]))
             self.segments = segments
+            can_read = all(self._can_read(segment) for segment in segments if segment is not own)
+            _PROC.pack_into(own.buf, PROC_LINE * LINE, os.getpid(), own.address, 1 if can_read else 2)
             # Everyone has mapped everything: the names can go. From here on, the kernel
             # frees the memory when the last process that maps it exits, however it exits.
             wait_until_all_mapped(store, "shm/mapped", self.rank, segments, timeout, self.names, self.label)
@@ -156,6 +173,12 @@ class Board:
         own.unlink()
         logger.debug("%s: rank %d mapped %d segments of %d bytes", self.label, self.names[rank],
                      self.size, layout.total)
+
+    @staticmethod
+    def _can_read(segment: Segment) -> bool:
+        """Whether ``process_vm_readv`` reads the pid its owner wrote into its segment."""
+        pid, base, _ = _PROC.unpack_from(segment.buf, PROC_LINE * LINE)
+        return cross_memory.probe(pid, base + PROC_LINE * LINE, pid.to_bytes(8, "little", signed=True))
 
     # -- waking ------------------------------------------------------------------------
     def wake(self, peers) -> None:

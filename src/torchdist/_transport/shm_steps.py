@@ -42,7 +42,7 @@ import torch
 from ..errors import DistBackendError
 from .thread_roles import on_worker_thread
 from .framing import OpFingerprint
-from .shm_board import DIGEST, FP, FP_LINE, LINE, STEP, Board
+from .shm_board import ADDRESS, DIGEST, FP, FP_LINE, LINE, STEP, Board
 from .shm_heap import SymmetricHeap
 
 __all__ = ["Steps", "IN", "OUT"]
@@ -79,10 +79,13 @@ class Steps:
         self.pump: Callable[[], object] | None = None
 
     # -- the protocol ------------------------------------------------------------------
-    def begin(self, seq: int, fingerprint: OpFingerprint, aux: int = 0) -> None:
+    def begin(self, seq: int, fingerprint: OpFingerprint, aux: int = 0, address: int = 0) -> None:
         """Start a collective: its fingerprint goes with its first step (``aux``: where
-        its tensor lives, 0 unless in symmetric memory)."""
+        its tensor lives, 0 unless in symmetric memory; ``address``: of the tensor that
+        peers read from this process, see :meth:`address_of`)."""
         g = self.step + 1
+        if address:
+            self.board.me[ADDRESS] = address
         record = (seq, *fingerprint, aux)
         FP.pack_into(self.board.segments[self.rank].buf, (FP_LINE + g % 2) * LINE, *record)
         # hash() of a tuple of ints is the same in every process (only str/bytes hashes
@@ -109,6 +112,11 @@ class Steps:
             for j, ctl in self._peer_ctl:
                 if ctl[word] != digest:
                     self._compare(g, record)
+
+    def address_of(self, rank: int) -> int:
+        """The ``address`` rank ``rank`` passed to ``begin`` for the current collective
+        (read after its first ``sync``; valid in that rank's process until the op's last)."""
+        return self.board.ctl[rank][ADDRESS]
 
     def peers_inside(self) -> bool:
         """Whether every peer has published the step this rank publishes next, i.e. is
