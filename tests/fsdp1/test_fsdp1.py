@@ -213,11 +213,27 @@ def _observe(c10d, fsdp, wrap, rank: int, world_size: int, uop: bool) -> dict:
                                                sharding_strategy=fsdp.ShardingStrategy.HYBRID_SHARD)),
         "nested_wrap": _outcome(lambda: _nested_enable_wrap(wrap)),
     }
+    seen["rank0_only_mixed"] = [_rank0_only_mixed(fsdp, uop, outer, inner)
+                                for outer, inner in (("FULL_SHARD", "NO_SHARD"), ("NO_SHARD", "SHARD_GRAD_OP"))]
     seen["configs"] = [repr(c) for c in (fsdp.MixedPrecision(), fsdp.CPUOffload(), fsdp.FullStateDictConfig(),
                                          fsdp.FullOptimStateDictConfig(), fsdp.LocalOptimStateDictConfig(),
                                          fsdp.ShardedStateDictConfig())]
     seen["enable_wrap"] = _enable_wrap(fsdp, wrap)
     return seen
+
+
+def _rank0_only_mixed(fsdp, uop: bool, outer: str, inner: str) -> dict:
+    """A full state dict with ``rank0_only`` of a root unit of one strategy over a child of another (ranks > 0
+    keep the NO_SHARD units' entries, buffers included)."""
+    FSDP, strategies = fsdp.FullyShardedDataParallel, fsdp.ShardingStrategy
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    model[0] = FSDP(model[0], sharding_strategy=getattr(strategies, inner), use_orig_params=uop,
+                    device_id=torch.device("cpu"))
+    model = FSDP(model, sharding_strategy=getattr(strategies, outer), use_orig_params=uop,
+                 device_id=torch.device("cpu"))
+    with FSDP.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(rank0_only=True)):
+        return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _local_value(value) -> torch.Tensor:
@@ -326,8 +342,7 @@ def test_state_dict_and_optimizer_round_trip(runs, scenario):
     torch_wrong = {"exp_avg"} if uop and world_size > 1 and strategy != "NO_SHARD" else set()
     for rank in range(world_size):
         mine, theirs = got[rank][scenario], want[rank][scenario]
-        if rank == 0:  # (ranks > 0: torchdist returns {} as documented; torch 2.13 on CPU still returns the keys)
-            assert mine["rank0_keys"] == theirs["rank0_keys"]
+        assert mine["rank0_keys"] == theirs["rank0_keys"]  # ranks > 0: NO_SHARD units' entries only
         assert list(mine["osd"]) == list(theirs["osd"]) and mine["osd_groups"] == theirs["osd_groups"]
         assert [list(v) for v in mine["osd"].values()] == [list(v) for v in theirs["osd"].values()]
         _close(mine["osd"], reference, f"{scenario} rank {rank} optimizer state vs single process")
@@ -349,6 +364,9 @@ def test_names_shapes_summon_and_errors_match_torch(runs, observation):
                 "settings", "no_sync_grads", "grads", "local_keys", "after_forward", "after_forward_summon"]
         for key in keys:
             assert mine[key] == theirs[key], f"{observation} {key} rank {rank}"
+        for got_mixed, want_mixed in zip(mine["rank0_only_mixed"], theirs["rank0_only_mixed"]):
+            assert list(got_mixed) == list(want_mixed), f"{observation} rank0_only keys on rank {rank}"
+            _close(got_mixed, want_mixed, f"{observation} rank0_only values on rank {rank}")
         _close(mine["no_sync_grad_values"], theirs["no_sync_grad_values"], "gradients after no_sync")
         _close(mine["grad_values"], theirs["grad_values"], "gradients after the synced backward")
         _close(mine["grads_after_zero"], theirs["grads_after_zero"], "no_sync gradients, zero_grad, backward")

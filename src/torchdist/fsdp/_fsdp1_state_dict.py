@@ -8,7 +8,8 @@ State dicts are nn.Module hooks on every unit; the outermost unit of a call
 (the *owner*) does the work for its subtree:
 
 - FULL_STATE_DICT: save = unshard, let ``nn.Module`` collect the views, strip
-  ``_fsdp_wrapped_module.``, clone (empty dict on ranks > 0 with ``rank0_only``);
+  ``_fsdp_wrapped_module.``, clone (with ``rank0_only``, ranks > 0 keep only the
+  entries of NO_SHARD units, as PyTorch does);
   load = unshard, rename the keys back, let ``nn.Module`` copy into the views,
   write back.
 - SHARDED_STATE_DICT: as FULL, then every parameter FSDP shards becomes this
@@ -83,7 +84,9 @@ def unshard_params(units: list[FullyShardedDataParallel], writeback: bool, rank0
             was_unsharded = handle.unsharded and handle._needs_swap
             handle.reshard()
             handle.unshard(full_precision=True)
-            shown = not rank0_only or unit.rank == 0
+            # A NO_SHARD unit's parameters are whole on every rank: shown there too (its state dict entries
+            # are on every rank in PyTorch, rank0_only or not).
+            shown = not rank0_only or unit.rank == 0 or unit.sharding_strategy == ShardingStrategy.NO_SHARD
             saved_grads = _gather_grads(handle) if with_grads else []
             if shown:
                 handle.use_unsharded_views(as_params=True)
@@ -199,7 +202,7 @@ def _post_save(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, lo
         for key, _ in items:
             del state_dict[key]
         if full and getattr(config, "rank0_only", False) and unit.rank != 0:
-            return
+            items = _unsharded_items(unit, prefix, items)
         for key, value in items:
             name = key[len(prefix):].replace(FSDP_PREFIX, "")
             if name in sharded:  # this rank's dim-0 chunk of the whole parameter, as a DTensor
@@ -212,6 +215,17 @@ def _post_save(unit: FullyShardedDataParallel, state_dict: dict, prefix: str, lo
             state_dict[prefix + name] = value
     finally:
         _exit(unit)
+
+
+def _unsharded_items(owner: FullyShardedDataParallel, prefix: str, items: list[tuple[str, Any]]) -> list:
+    """FULL_STATE_DICT with ``rank0_only`` on a rank > 0: the entries of NO_SHARD units only, as in PyTorch
+    (their parameters and buffers are whole on every rank; a sharded unit's are gathered on rank 0 only)."""
+    units = sorted(((prefix + fqn + "." if fqn else prefix, sub) for fqn, sub in owner.named_modules()
+                    if isinstance(sub, type(owner))), key=lambda pair: -len(pair[0]))
+
+    def unit_of(key: str) -> FullyShardedDataParallel:  # the innermost unit whose subtree holds ``key``
+        return next(sub for start, sub in units if key.startswith(start))
+    return [(key, value) for key, value in items if unit_of(key).sharding_strategy == ShardingStrategy.NO_SHARD]
 
 
 def sharded_params(owner: FullyShardedDataParallel) -> dict[str, DeviceMesh]:

@@ -97,7 +97,8 @@ class StateDictConfig:
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    """``rank0_only``: only rank 0 builds the full state dict; the other ranks return an empty one."""
+    """``rank0_only``: only rank 0 gathers the sharded units' parameters; other ranks return only the entries of
+    NO_SHARD units (whole everywhere), as PyTorch does."""
 
     rank0_only: bool = False
 
