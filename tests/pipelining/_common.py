@@ -60,12 +60,13 @@ def reference(num_stages: int, n_mb: int, steps: int = 1) -> dict:
 
 
 def train(pp, dist, schedule_name: str, num_stages: int, n_mb: int, steps: int = 1, static: bool = False,
-          group=None) -> dict:
-    """Train ``full_model(num_stages)`` pipelined with ``schedule_name``; this rank's losses, grads and output."""
+          group=None, evaluate: bool = False) -> dict:
+    """Train ``full_model(num_stages)`` pipelined with ``schedule_name``; this rank's losses, grads and output
+    (and, with ``evaluate``, the output of an ``eval()`` run before training: forwards only)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cls = pp.schedules.get_schedule_class(schedule_name)
     multi = num_stages > world
-    if schedule_name == "ZBVZeroBubble":
+    if schedule_name in ("ZBVZeroBubble", "DualPipeV"):  # V placement: rank r holds stages r and 2P - 1 - r
         mine = [rank, 2 * world - 1 - rank]
     else:
         mine = [s for s in range(num_stages) if s % world == rank]
@@ -80,11 +81,14 @@ def train(pp, dist, schedule_name: str, num_stages: int, n_mb: int, steps: int =
             extra = dict(input_args=example, output_args=module(example))
         stages.append(pp.PipelineStage(module, s, num_stages, torch.device("cpu"), group=group, **extra))
     schedule = cls(stages if multi else stages[0], n_mb, loss_fn=F.mse_loss)
+    args = (x,) if 0 in mine else ()
+    evaluated = None
+    if evaluate:
+        evaluated = schedule.eval(*args, **(dict(target=y) if num_stages - 1 in mine else {}))
     out, losses = None, []
     for _ in range(steps):
         for st in stages:
             st.submod.zero_grad()
-        args = (x,) if 0 in mine else ()
         kwargs = dict(target=y, losses=losses) if num_stages - 1 in mine else {}
         out = schedule.step(*args, **kwargs)
         with torch.no_grad():
@@ -93,7 +97,7 @@ def train(pp, dist, schedule_name: str, num_stages: int, n_mb: int, steps: int =
                     p -= 0.1 * p.grad
     grads = {f"{s.stage_index}.{n}": p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
     return {"losses": [loss.detach() for loss in losses], "grads": grads,
-            "output": None if out is None else out.detach()}
+            "output": None if out is None else out.detach(), "eval": evaluated}
 
 
 def assert_matches_reference(results: list[dict], num_stages: int, n_mb: int, steps: int = 1) -> None:

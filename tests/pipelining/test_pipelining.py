@@ -4,10 +4,11 @@ Each ``_body_*`` runs under ``run_ranks`` and does many checks in one spawn
 (the suite's time budget): it trains ``_common.full_model`` with several
 schedules and returns what every rank saw; the tests compare that with the
 unsplit model trained on the same microbatches (and, for GPipe and 1F1B at
-world 2, with torch.distributed.pipelining on gloo).
+world 2 and DualPipeV at worlds 1-3, with torch.distributed.pipelining on gloo).
 """
 
 from __future__ import annotations
+
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torchdist.pipelining import _plans
 from torchdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from torchdist.testing import run_ranks
 
-from ._common import BATCH, WIDTH, assert_matches_reference, batch, libs, train
+from ._common import BATCH, WIDTH, assert_matches_reference, batch, full_model, libs, train
 
 # (schedule, stages, microbatches, static shapes, steps) per world size
 _RUNS = {
@@ -70,6 +71,40 @@ def test_world_3():
 
 def test_world_4():
     _check_world(4)
+
+
+# -- DualPipeV: V placement (rank r holds stages r and 2P - 1 - r), compared with the model and with torch -----
+_DUALPIPE_V_RUNS = {1: [("DualPipeV", 2, 2, False, 2), ("DualPipeV", 2, 4, True, 1)],
+                    2: [("DualPipeV", 4, 4, False, 2), ("DualPipeV", 4, 8, True, 1)],
+                    3: [("DualPipeV", 6, 8, False, 1)]}
+
+
+def _body_dualpipe_v(rank, world_size, lib):
+    dist, pp = libs(lib)
+    # torch 2.13's DualPipeV.eval() fails (its runtime still runs backwards): eval is checked on torchdist only
+    out = [train(pp, dist, name, stages, mbs, steps=steps, static=static, evaluate=lib == "torchdist")
+           for name, stages, mbs, static, steps in _DUALPIPE_V_RUNS[world_size]]
+    if lib == "torch":
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("world_size", sorted(_DUALPIPE_V_RUNS))
+def test_dualpipe_v_trains_like_the_model_and_like_torch(world_size):
+    got = run_ranks(_body_dualpipe_v, world_size, args=("torchdist",), backend="gloo", timeout=90)
+    want = run_ranks(_body_dualpipe_v, world_size, args=("torch",), timeout=90)  # torch's runs on CPU with gloo
+    for i, (_, num_stages, n_mb, _, steps) in enumerate(_DUALPIPE_V_RUNS[world_size]):
+        assert_matches_reference([r[i] for r in got], num_stages, n_mb, steps)
+        assert_matches_reference([r[i] for r in want], num_stages, n_mb, steps)
+        for g, w in zip(got, want):
+            assert g[i]["grads"].keys() == w[i]["grads"].keys()
+            for key in w[i]["grads"]:
+                torch.testing.assert_close(g[i]["grads"][key], w[i]["grads"][key], msg=key)
+            for a, b in zip(g[i]["losses"], w[i]["losses"], strict=True):
+                torch.testing.assert_close(a, b)
+        with torch.no_grad():  # eval ran before the step, forwards only (the OVERLAP_F_Bs without their B)
+            torch.testing.assert_close(got[0][i]["eval"], full_model(num_stages)(batch()[0]))
+        assert all(r[i]["eval"] is None for r in got[1:])
 
 
 # -- plans and microbatches, without processes ------------------------------------------------------------
@@ -142,6 +177,47 @@ def test_microbatch_split_and_merge_match_torch():
     assert merge_chunks(chunks, spec)[0].shape == (2, 9) and merge_chunks(chunks, spec)[1] == 7
     assert str(TensorChunkSpec(1)) == str(theirs.TensorChunkSpec(1))
     assert [s.split_dim for s in TensorChunkSpec.from_tuple((0, 1))] == [0, 1]
+
+
+def _check_dualpipe_v_plan(pp: int, m: int) -> None:
+    """Every (stage, microbatch) gets one F and one B or an I then a W; the ranks run the plans together."""
+    vee = _plans.stage_to_rank(pp, 2 * pp, "v")
+    plans = {r: _plans.dualpipe_v(r, pp, m) for r in range(pp)}
+    for r, plan in plans.items():
+        flat = [a.key for a in _plans.compute_actions(plan)]
+        assert len(flat) == len(set(flat)), (pp, m, r)
+        for s in (r, 2 * pp - 1 - r):
+            for mb in range(m):
+                kinds = "".join(str(k) for st, k, x in flat if (st, x) == (s, mb))
+                assert kinds in ("FB", "FIW"), (pp, m, r, s, mb, kinds)
+    _plans.simulate(plans, vee, 2 * pp)
+
+
+def test_dualpipe_v_plan_is_torchs_order_and_runs_without_deadlock():
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV as Theirs
+
+    for pp in range(1, 6):
+        for m in range(2 * pp, 2 * pp + 7):
+            _check_dualpipe_v_plan(pp, m)
+            fake = type("Fake", (), {"pp_group_size": pp, "_n_microbatches": m})()  # the method reads only these
+            for r in range(pp):
+                want = [repr(a) for a in Theirs._calculate_single_rank_operations(fake, r)]
+                assert [repr(a) for a in _plans.dualpipe_v(r, pp, m)] == want, (pp, m, r)
+    # two ranks, four microbatches, written out: stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    assert " ".join(map(repr, _plans.dualpipe_v(0, 2, 4))) == (
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1)OVERLAP_F_B (3F2;0B0)OVERLAP_F_B 3B2 (3F3;0B1)OVERLAP_F_B 3B3 0I2 "
+        "0W2 0I3 0W3")
+    assert " ".join(map(repr, _plans.dualpipe_v(1, 2, 4))) == (
+        "1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0)OVERLAP_F_B (1F3;2B1)OVERLAP_F_B (2F3;1B1)OVERLAP_F_B 2B2 1B2 2I3 1I3 "
+        "2W3 1W3")
+
+
+def test_a_dualpipe_v_overlap_whose_backward_is_not_ready_deadlocks():
+    vee = _plans.stage_to_rank(1, 2, "v")
+    pair = (_plans._Action(0, _plans.F, 0), _plans._Action(1, _plans.B, 0))
+    early = _plans._Action(-1, _plans.OVERLAP_F_B, None, pair)
+    with pytest.raises(RuntimeError, match="deadlocks"):  # stage 1's F0 has not run: its B0 can never start
+        _plans.simulate({0: [early]}, vee, 2)
 
 
 # -- the tracer -------------------------------------------------------------------------------------------
@@ -245,8 +321,12 @@ def _body_construction_errors(rank, world_size, lib):
         "too_few_stages": _outcome(lambda: pp.PipelineStage(lin, 0, 1, torch.device("cpu"))),
         "1f1b_mbs": _outcome(lambda: pp.Schedule1F1B(stage, 1, loss_fn=F.mse_loss)),
         "zbv_count": _outcome(lambda: pp.ScheduleZBVZeroBubble([stage], 2)),
+        "dualpipev_count": _outcome(lambda: pp.ScheduleDualPipeV([stage], 2)),
+        "dualpipev_mbs": _outcome(lambda: pp.ScheduleDualPipeV(
+            [pp.PipelineStage(nn.Linear(WIDTH, WIDTH), s, 4, torch.device("cpu")) for s in (rank, 3 - rank)], 3)),
         "name": _outcome(lambda: pp.schedules.get_schedule_class("nope")),
         "found": pp.schedules.get_schedule_class("interleaved1f1b").__name__,
+        "found_dualpipev": pp.schedules.get_schedule_class("dualpipev").__name__,
     }
     x, y = batch()
     schedule = pp.ScheduleGPipe(stage, BATCH + 1, loss_fn=F.mse_loss)  # more microbatches than samples
@@ -266,6 +346,8 @@ def test_construction_and_step_errors_match_torch():
         for key in w:
             assert g[key][0] == w[key][0], f"rank {rank} {key}: torchdist {g[key]}, torch {w[key]}"
         assert g["index"] == w["index"] and g["1f1b_mbs"] == w["1f1b_mbs"] and g["no_grad"] == w["no_grad"]
+        for key in ("dualpipev_count", "dualpipev_mbs", "name", "found_dualpipev"):
+            assert g[key] == w[key], (key, g[key], w[key])
         assert g["too_many_mbs"][1].startswith(w["too_many_mbs"][1])
 
 

@@ -9,13 +9,13 @@ microbatch), ``schedules`` (the order of forwards and backwards, and the step),
 
 from ._ir import Pipe, SplitPoint, pipe_split, pipeline
 from ._meta import PipeliningMetadataError
-from .schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                        ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
+from .schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                        ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
 from .stage import PipelineStage, build_stage
 
 __all__ = [
     "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "build_stage",
     "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
     "PipeliningMetadataError", "get_schedule_class",
 ]

@@ -23,6 +23,10 @@ With S stages, P ranks and M microbatches (one stage per rank: S == P):
   time steps; each rank picks I first, then F while fewer than a cap of
   microbatches are in flight, then W. ZBV places the stages as a V: rank r
   holds stages r and 2P - 1 - r.
+* DualPipeV (DeepSeek-V3, arXiv:2412.19437, folded into a V): the same V
+  placement; in steady state a rank pairs the forward of one of its stages
+  with the full backward of the other in one OVERLAP_F_B action, so that one
+  computes while the other communicates. Eight phases, see ``dualpipe_v``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from enum import Enum
 from typing import Callable, NamedTuple
 
 __all__ = ["_ComputationType", "_Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
-           "zero_bubble", "stage_to_rank", "simulate"]
+           "zero_bubble", "dualpipe_v", "stage_to_rank", "simulate", "compute_actions"]
 
 
 class _ComputationType(str, Enum):
@@ -40,6 +44,7 @@ class _ComputationType(str, Enum):
     FULL_BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
+    OVERLAP_F_B = "OVERLAP_F_B"  # a forward and a backward of two stages of one rank, run together
 
     def __str__(self) -> str:
         return self.value
@@ -47,15 +52,33 @@ class _ComputationType(str, Enum):
 
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
               _ComputationType.BACKWARD_WEIGHT)
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
 
 
 class _Action(NamedTuple):
+    """``2F0``: stage 2, forward, microbatch 0. An OVERLAP_F_B holds its forward and backward in ``sub_actions``
+    (stage -1 and microbatch None, as in PyTorch) and prints as ``(2F0;1B3)OVERLAP_F_B``."""
+
     stage_index: int
     computation_type: _ComputationType
-    microbatch_index: int
+    microbatch_index: int | None = None
+    sub_actions: tuple[_Action, ...] | None = None
 
     def __repr__(self) -> str:
-        return f"{self.stage_index}{self.computation_type}{self.microbatch_index}"
+        if self.sub_actions is not None:
+            return f"({';'.join(map(repr, self.sub_actions))}){self.computation_type}"
+        microbatch = "" if self.microbatch_index is None else self.microbatch_index
+        return f"{self.stage_index}{self.computation_type}{microbatch}"
+
+    @property
+    def key(self) -> tuple:
+        """(stage, kind, microbatch): what the plan functions and the simulator track as done."""
+        return (self.stage_index, self.computation_type, self.microbatch_index)
+
+
+def compute_actions(actions: list[_Action]) -> list[_Action]:
+    """``actions`` with every OVERLAP_F_B replaced by its sub-actions, forward first (how a CPU runs it)."""
+    return [sub for a in actions for sub in (a.sub_actions if a.sub_actions is not None else (a,))]
 
 
 def stage_to_rank(pp_size: int, num_stages: int, style: str = "loop") -> dict[int, int]:
@@ -138,7 +161,7 @@ def zero_bubble(num_stages: int, pp_size: int, n_mb: int, placement: dict[int, i
         for action in step:
             r = placement[action.stage_index]
             plans[r].append(action)
-            done.add(tuple(action))
+            done.add(action.key)
             if action.computation_type is F:
                 held[r] += 1
             elif action.computation_type is I:
@@ -170,14 +193,99 @@ def _pick(rank: int, stages: list[int], num_stages: int, n_mb: int, done: set, m
     return pending_w[0] if pending_w else None
 
 
+class _RankPlan:
+    """One rank's plan being written: numbers each stage's forwards and backwards in order, queues pending Ws."""
+
+    def __init__(self) -> None:
+        self.actions: list[_Action] = []
+        self._forwards: dict[int, int] = defaultdict(int)
+        self._backwards: dict[int, int] = defaultdict(int)  # B and I share the count: each is one microbatch's
+        self._pending_w: list[_Action] = []
+
+    def forward(self, stage: int) -> _Action:
+        action = _Action(stage, F, self._forwards[stage])
+        self._forwards[stage] += 1
+        return action
+
+    def backward(self, stage: int, split: bool = False) -> _Action:
+        """The next backward of ``stage``: full (B), or input gradients only (I) with its W queued."""
+        action = _Action(stage, I if split else B, self._backwards[stage])
+        self._backwards[stage] += 1
+        if split:
+            self._pending_w.append(_Action(stage, W, action.microbatch_index))
+        return action
+
+    def add(self, *actions: _Action) -> None:
+        self.actions.extend(actions)
+
+    def add_overlap(self, forward_stage: int, backward_stage: int) -> None:
+        self.add(_Action(-1, OVERLAP_F_B, None, (self.forward(forward_stage), self.backward(backward_stage))))
+
+    def add_weight(self) -> None:
+        """The oldest pending W, if any (a W fills a slot where the rank would otherwise wait)."""
+        if self._pending_w:
+            self.add(self._pending_w.pop(0))
+
+
+def dualpipe_v(rank: int, pp_size: int, n_mb: int) -> list[_Action]:
+    """PyTorch 2.13's DualPipeV order for one rank (needs n_mb >= 2 * pp_size).
+
+    Rank r holds stage ``down = r`` (the V's first leg) and ``up = 2P - 1 - r`` (the second leg). The phases,
+    with the number of times each repeats:
+
+    1. F down                                 2 (P - r - 1)   fill the first leg
+    2. F down, F up                           r + 1           the V's turn reaches this rank
+    3. I up, W, F up                          P - r - 1       first backwards, zero-bubble style
+    4. (F down; B up), (F up; B down)         M - 2P + r + 1  steady state, two overlaps per round
+                                                              (the last rank does not overlap its very first pair)
+    5. B up, (F up; B down)                   P - r - 1       forwards run out
+    6. B up, B down                           r + 1           from the middle on, I instead of B
+    7. W, I down                              P - r - 1
+    8. W                                      r + 1           drain the pending weight gradients
+    """
+    down, up = rank, 2 * pp_size - 1 - rank
+    plan = _RankPlan()
+    for _ in range(2 * (pp_size - rank - 1)):
+        plan.add(plan.forward(down))
+    for _ in range(rank + 1):
+        plan.add(plan.forward(down), plan.forward(up))
+    for _ in range(pp_size - rank - 1):
+        plan.add(plan.backward(up, split=True))
+        plan.add_weight()
+        plan.add(plan.forward(up))
+    for i in range(n_mb - 2 * pp_size + rank + 1):
+        if i == 0 and rank == pp_size - 1:  # not overlapped: PyTorch found this shortens the bubble
+            plan.add(plan.forward(down), plan.backward(up))
+        else:
+            plan.add_overlap(down, up)
+        plan.add_overlap(up, down)
+    for _ in range(pp_size - rank - 1):
+        plan.add(plan.backward(up))
+        plan.add_overlap(up, down)
+    half = (rank + 1) // 2  # from this round on, backwards are split into I and W
+    for i in range(rank + 1):
+        # odd ranks split both backwards of the middle round, even ranks only the second
+        plan.add(plan.backward(up, split=i > half or (i == half and rank % 2 == 1)))
+        plan.add(plan.backward(down, split=i >= half))
+    for _ in range(pp_size - rank - 1):
+        plan.add_weight()
+        plan.add(plan.backward(down, split=True))
+    for _ in range(rank + 1):
+        plan.add_weight()
+    return plan.actions
+
+
 def simulate(plans: dict[int, list[_Action]], placement: dict[int, int], num_stages: int) -> int:
     """Run the ranks' plans together (a rank waits for what its next action needs); return the steps taken.
-    Raises RuntimeError if they deadlock or a plan breaks a dependency."""
+    Raises RuntimeError if they deadlock or a plan breaks a dependency.
+
+    An OVERLAP_F_B runs in one step once both its forward and its backward could start, as on a GPU where
+    the two run at once; a CPU runs the forward first, which never needs more than that."""
     done: set[tuple] = set()
     position = {r: 0 for r in plans}
 
-    def ready(a: _Action) -> bool:
-        s, kind, m = a
+    def ready_one(a: _Action) -> bool:
+        s, kind, m = a.key
         if kind is F:
             return s == 0 or (s - 1, F, m) in done
         if kind in (B, I):
@@ -185,15 +293,21 @@ def simulate(plans: dict[int, list[_Action]], placement: dict[int, int], num_sta
             return (s, F, m) in done and (s == num_stages - 1 or after)
         return (s, I, m) in done
 
+    def ready(a: _Action) -> bool:
+        return all(ready_one(sub) for sub in compute_actions([a]))
+
     steps = 0
     while any(position[r] < len(plans[r]) for r in plans):
-        runnable = [plans[r][position[r]] for r in plans if position[r] < len(plans[r])]
-        runnable = [a for a in runnable if ready(a)]
+        nexts = {r: plans[r][position[r]] for r in plans if position[r] < len(plans[r])}
+        runnable = {r: a for r, a in nexts.items() if ready(a)}
         if not runnable:
-            stuck = {r: plans[r][position[r]] for r in plans if position[r] < len(plans[r])}
-            raise RuntimeError(f"pipeline plan deadlocks: every rank waits, next actions {stuck}")
-        for a in runnable:
-            done.add(tuple(a))
-            position[placement[a.stage_index]] += 1
+            raise RuntimeError(f"pipeline plan deadlocks: every rank waits, next actions {nexts}")
+        for r, a in runnable.items():
+            for sub in compute_actions([a]):
+                if placement[sub.stage_index] != r:
+                    raise RuntimeError(f"pipeline plan of rank {r} holds {sub}, but stage {sub.stage_index} is on "
+                                       f"rank {placement[sub.stage_index]}")
+                done.add(sub.key)
+            position[r] += 1
         steps += 1
     return steps

@@ -6,7 +6,9 @@ into ``n_microbatches``; the plan from ``_plans`` runs, receiving what an
 action needs right before it and sending what it produced right after
 (``isend``: a rank never waits for its sends until the end of the step);
 losses are collected on the last stage, outputs merged there, and gradients
-divided by ``n_microbatches`` when ``scale_grads``.
+divided by ``n_microbatches`` when ``scale_grads``. An OVERLAP_F_B action
+(DualPipeV) runs its forward, then its backward: on CPU there are no streams
+to run them at once, and the result is the same.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .stage import PipelineStage
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-           "get_schedule_class", "_Action", "_ComputationType"]
+           "ScheduleDualPipeV", "get_schedule_class", "_Action", "_ComputationType"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ class _PipelineSchedule(ABC):
         losses: dict[int, torch.Tensor] = {}
         sends = []
         backward = self._has_backward
-        for action in actions:
+        for action in _plans.compute_actions(actions):  # an OVERLAP_F_B: its forward, then its backward
             stage = stages[action.stage_index]
             kind, mb = action.computation_type, action.microbatch_index
             if kind is _ComputationType.FORWARD:
@@ -367,6 +369,7 @@ class ScheduleInterleavedZeroBubble(_ZeroBubble, _Rounds):
                  kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+        _check_not_compiled(stages, type(self).__name__)
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
         self._set_rounds(n_microbatches, self.pp_group_size, "Zero bubble")
@@ -384,12 +387,54 @@ class ScheduleZBVZeroBubble(_ZeroBubble):
                  kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+        _check_not_compiled(stages, type(self).__name__)
         if isinstance(stages, (list, tuple)) and len(stages) != 2:
             raise ValueError(f"ZBV requires exactly 2 stages per rank, but got {len(stages)}.")
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
         self.num_stages = self._num_stages
         self._zero_bubble_order(lambda r: 2 * self.pp_group_size)
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DeepSeek's DualPipe folded into a V (arXiv:2412.19437): rank r holds stages r and 2P - 1 - r, and in steady
+    state overlaps the forward of one with the backward of the other (here: runs one, then the other)."""
+
+    _placement_style = "v"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+                 output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+        _check_not_compiled(stages, type(self).__name__)
+        if isinstance(stages, (list, tuple)) and len(stages) != 2:
+            raise ValueError(f"ZBV requires exactly 2 stages per rank, but got {len(stages)}.")
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+        if n_microbatches < self._num_stages:
+            raise ValueError(
+                "DualPipeV requires at least as many microbatches as stages, but got "
+                f"{n_microbatches} microbatches and {self._num_stages} stages."
+            )
+        self.num_stages = self._num_stages
+        self.pipeline_order = {r: _plans.dualpipe_v(r, self.pp_group_size, n_microbatches)
+                               for r in range(self.pp_group_size)}
+
+
+def _check_not_compiled(stages: Any, schedule_name: str) -> None:
+    """PyTorch refuses torch.compile'd stage modules in the zero-bubble schedules and DualPipeV (they split
+    backward into I and W); so do we."""
+    for stage in stages if isinstance(stages, (list, tuple)) else ():
+        submod = getattr(stage, "submod", None)
+        if not isinstance(submod, torch.nn.Module):
+            continue
+        for module in submod.modules():
+            if type(module).__name__ == "OptimizedModule":  # torch._dynamo's wrapper, not imported (slow)
+                raise RuntimeError(
+                    f"The {schedule_name} schedule is not supported with stage modules that have used torch.compile. "
+                    f"Found OptimizedModule in {type(module).__name__}"
+                )
 
 
 _SCHEDULES: dict[str, type] = {
@@ -401,6 +446,7 @@ _SCHEDULES: dict[str, type] = {
     "PipelineScheduleSingle": PipelineScheduleSingle,
     "PipelineScheduleMulti": PipelineScheduleMulti,
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
 }
 
 
