@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 
 from .._process_group.process_group import ProcessGroup
-from .._process_group.registry import Backend
+from .._process_group.registry import Backend, BackendConfig
 from .._process_group.work import settle_future_callbacks
 from .._store.base import Store
 from .._store.file_store import FileStore
@@ -31,6 +31,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "get_backend",
+    "get_backend_config",
     "get_node_local_rank",
     "default_pg_timeout",
 ]
@@ -288,6 +289,12 @@ def get_backend(group: ProcessGroup | None = None) -> Backend:
     if pg is NON_GROUP_MEMBER:
         raise ValueError("Invalid process group specified")
     return Backend(pg.name())
+
+
+def get_backend_config(group: ProcessGroup | None = None) -> str:
+    """Which backend serves which device for ``group``, as ``"cpu:<backend>"`` (torchdist runs on CPU only;
+    PyTorch's gloo says ``"cpu:gloo,cuda:gloo"``)."""
+    return repr(BackendConfig(get_backend(group)))
 
 
 def _not_a_group(group: object) -> bool:
