@@ -4,7 +4,8 @@
 ``module`` that no earlier ``fully_shard`` call on a submodule took (so it is
 applied bottom-up: blocks first, the root last), shards each parameter over
 the mesh's shard dimension (along dim 0, or the dim ``shard_placement_fn``
-picks), registers the shards on the module as
+picks; a parameter that tensor parallelism made a DTensor is sharded within its
+TP-local block, see ``_param.py``), registers the shards on the module as
 ``nn.Parameter(DTensor)``, and changes the module's class to ``FSDP<Class>``, a
 subclass of both :class:`FSDPModule` and the original class.
 """
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from ..device_mesh import DeviceMesh
 from ._api import AllGather, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
-from ._dtensor import DTensor, Shard
+from ._dtensor import Shard
 from ._mesh_info import MeshInfo, default_mesh, mesh_info_of
 from ._param import FSDPParam, ParamSlot
 from ._param_group import FSDPParamGroup
@@ -144,9 +145,6 @@ def _managed_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} to a 1D tensor with "
                                  "numel equal to 1.")
-            if isinstance(param, DTensor):
-                raise NotImplementedError(f"fully_shard: parameter {name} is already a DTensor (e.g. from tensor "
-                                          "parallelism); torchdist's FSDP shards plain parameters only")
             seen.add(id(param))
             params.append(param)
     return params

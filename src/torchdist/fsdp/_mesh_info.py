@@ -14,8 +14,9 @@ from typing import Any
 from .._c10d.init import get_world_size, init_process_group, is_initialized
 from .._process_group.process_group import ProcessGroup
 from ..device_mesh import DeviceMesh, init_device_mesh
+from ..device_mesh._layout import MeshLayout
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_info_of"]
+__all__ = ["MeshInfo", "default_mesh", "mesh_info_of", "concatenate_meshes"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,29 @@ def mesh_info_of(mesh: DeviceMesh, dp_mesh_dims: Any = None) -> MeshInfo:
         raise ValueError(f"fully_shard: torchdist runs FSDP on CPU meshes only, got a {mesh.device_type!r} mesh; "
                          "build the mesh with init_device_mesh('cpu', ...)")
     return MeshInfo(mesh, 0) if mesh.ndim == 1 else MeshInfo(mesh, 1, 0)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dimensions are those of ``meshes`` in order (e.g. FSDP's "dp" then TP's "tp"), sharing their
+    root's ranks and process groups; as PyTorch's ``DeviceMesh._concatenate``, nothing is communicated."""
+    rank_map = meshes[0]._flatten_rank_map
+    axes, names, group_names = [], [], []
+    for mesh in meshes:
+        if mesh._flatten_rank_map != rank_map:
+            raise RuntimeError("Cannot concatenate DeviceMeshes derived from different device meshs")
+        if mesh.mesh_dim_names is None:
+            raise AssertionError(f"FSDP with DTensor parameters needs named meshes (init_device_mesh(..., "
+                                 f"mesh_dim_names=...)), got {mesh}")
+        axes.extend(mesh._layout.axes)
+        names.extend(mesh.mesh_dim_names)
+        group_names.extend(mesh._dim_group_names)
+    layout = MeshLayout(tuple(axes))
+    if not layout.is_orthogonal():
+        raise RuntimeError(f"Cannot concatenate overlapping meshes: {meshes}")
+    root = meshes[0]._get_root_mesh()
+    if names == list(root.mesh_dim_names or ()) and layout == root._layout:
+        return root
+    mesh = DeviceMesh(meshes[0].device_type, _layout=layout, _rank_map=meshes[0]._rank_map,
+                      mesh_dim_names=tuple(names), _root_mesh=root, _init_backend=False)
+    mesh._dim_group_names = group_names
+    return mesh

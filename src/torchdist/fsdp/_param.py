@@ -14,6 +14,13 @@ module (autograd saves it in forward and finds it again in backward); resharding
 frees its storage (``resize_(0)``) and unsharding refills it, without bumping its
 version counter, as PyTorch's FSDP2 does.
 
+A parameter that is already a DTensor (tensor parallelism on a "tp" mesh) is
+sharded the same way, but FSDP cuts its TP-local block: the unsharded parameter
+is the TP DTensor (so TP's forward is unchanged) and the sharded one is a DTensor
+on the concatenated ``(dp, tp)`` mesh with placements ``(dp placement, *TP's)``,
+the dp placement being ``_StridedShard(d, split_factor=tp)`` when TP also shards
+dim ``d`` (FSDP's rows are taken within each TP block), as in PyTorch.
+
 With ``reshard_after_forward=k`` (an int) a parameter has a second, *post-forward*
 layout over groups of ``k`` ranks: between forward and backward each rank keeps a
 ``1/k`` shard of the unsharded parameter, and backward all-gathers only within
@@ -24,13 +31,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..tensor._spec import contiguous_strides
-from ._dtensor import Shard, local_of, sharded_parameter, sharded_tensor
-from ._mesh_info import MeshInfo
+from ..device_mesh import DeviceMesh
+from ..tensor._placements import _StridedShard, is_shard_like
+from ..tensor._spec import DTensorSpec, contiguous_strides
+from ._dtensor import DTensor, Shard, local_of, sharded_parameter, sharded_tensor
+from ._mesh_info import MeshInfo, concatenate_meshes
 from ._storage import alloc_storage, free_storage
 
 __all__ = ["ParamSlot", "ShardLayout", "FSDPParam"]
@@ -123,25 +133,45 @@ class FSDPParam:
         self.mesh_info = mesh_info
         self.slots = slots
         self.fqn = fqn
-        self.shape = param.shape
+        self.shape = param.shape  # the global shape (of the TP DTensor, if the parameter is one)
         self.stride = contiguous_strides(param.shape)
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        data = local_of(param)  # what FSDP shards: the TP-local block, or the parameter itself
+        self.local_shape = data.shape
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         # mixed precision only for floating-point parameters, and only where it changes something
         self.param_dtype = param_dtype if param_dtype not in (None, param.dtype) and param.is_floating_point() \
             else None
         self.reduce_dtype = reduce_dtype if reduce_dtype != param_dtype else None
-        self.layout = ShardLayout(param.shape, shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
-        self.placements = mesh_info.placements(Shard(shard_dim))
+        self.layout = ShardLayout(data.shape, shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
+        self.mesh, self.placements = self._sharded_layout(shard_dim)
         with torch.no_grad():
-            local = self.layout.local(param.detach()).clone(memory_format=torch.contiguous_format)
-        self.sharded_param = sharded_parameter(local, mesh_info.mesh, self.placements, self.shape, self.stride,
+            local = self.layout.local(data).clone(memory_format=torch.contiguous_format)
+        self.sharded_param = sharded_parameter(local, self.mesh, self.placements, self.shape, self.stride,
                                                self.requires_grad)
         self._unsharded: nn.Parameter | None = None  # created at the first unshard
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, in reduce dtype, across no-sync steps
         self.post_forward_layout: ShardLayout | None = None  # reshard_after_forward=int: over groups of k ranks
         self.post_forward_local: torch.Tensor | None = None  # ... and this rank's 1/k shard kept after forward
         self.register(self.sharded_param)
+
+    def _sharded_layout(self, shard_dim: int) -> tuple[DeviceMesh, tuple]:
+        """The mesh and placements of the sharded parameter: FSDP's mesh, or for a TP DTensor the FSDP and TP meshes
+        concatenated, FSDP's placement strided over the TP shards of the same dim (PyTorch's ``_StridedShard``)."""
+        if self.tp_spec is None:
+            return self.mesh_info.mesh, self.mesh_info.placements(Shard(shard_dim))
+        tp = self.tp_spec
+        if len(tp.placements) > 2:
+            raise NotImplementedError(f"FSDP only supports 1D TP/EP or 2D EP+TP, not {tp.placements}")
+        split = math.prod(tp.mesh.size(i) for i, p in enumerate(tp.placements)
+                          if is_shard_like(p) and p.dim == shard_dim)
+        dp_placement: Any = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        mesh = concatenate_meshes([self.mesh_info.mesh, tp.mesh])
+        if not 2 <= mesh.ndim <= 4:
+            raise AssertionError("_spmd_mesh.ndim can only be 2 (FSDP+TP/EP), 3 (FSDP+EP+TP, HSDP+TP/EP), "
+                                 f"or 4 (HSDP+EP+TP) but got {mesh.ndim}.")
+        return mesh, (*self.mesh_info.placements(dp_placement), *tp.placements)
 
     # -- registration ------------------------------------------------------------------------------------
 
@@ -164,10 +194,15 @@ class FSDPParam:
 
     @property
     def unsharded_param(self) -> nn.Parameter:
+        """The gathered parameter: a plain one, or a DTensor with TP's layout over the gathered TP-local block."""
         if self._unsharded is None:
-            self._unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.all_gather_dtype),
-                                           requires_grad=self.requires_grad)
-            free_storage(self._unsharded)
+            local = torch.empty(self.local_shape, dtype=self.all_gather_dtype)
+            if self.tp_spec is None:
+                self._unsharded = nn.Parameter(local, requires_grad=self.requires_grad)
+            else:
+                self._unsharded = sharded_parameter(local, self.tp_spec.mesh, self.tp_spec.placements, self.shape,
+                                                    self.tp_spec.stride, self.requires_grad)
+            free_storage(_data(self._unsharded))
         return self._unsharded
 
     def all_gather_input(self, layout: ShardLayout) -> torch.Tensor:
@@ -180,20 +215,22 @@ class FSDPParam:
 
     def copy_out(self, gathered: torch.Tensor, layout: ShardLayout) -> None:
         """Fill the unsharded parameter from its ``(W, padded_numel)`` columns of an all-gather output."""
-        param = self.unsharded_param
-        alloc_storage(param)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
-            param.copy_(layout.unpadded(gathered))
+        data = _data(self.unsharded_param)
+        alloc_storage(data)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(data):
+            data.copy_(layout.unpadded(gathered))
         self.post_forward_local = None
 
     def free_unsharded(self) -> None:
         if self._unsharded is not None:
-            free_storage(self._unsharded)
+            free_storage(_data(self._unsharded))
         self.post_forward_local = None
 
     def to_post_forward(self, mesh_info: MeshInfo) -> None:
         """Keep this rank's ``1/k`` shard of the unsharded parameter, register it as a DTensor on the post-forward
         mesh, and free the unsharded storage."""
+        if self.tp_spec is not None:
+            raise NotImplementedError("Resharding to smaller mesh is not supported for DTensor parameters yet")
         layout = self.post_forward_layout = ShardLayout(self.shape, self.layout.dim, mesh_info.shard_size,
                                                         mesh_info.shard_rank)
         with torch.no_grad():
@@ -211,6 +248,7 @@ class FSDPParam:
         grad = param.grad if param is not None else None
         if param is not None:
             param.grad = None
+        grad = self.local_grad(grad) if grad is not None else None
         if self.accumulated_grad is not None:
             total, self.accumulated_grad = self.accumulated_grad, None
             return total if grad is None else total + grad.to(total.dtype)
@@ -223,10 +261,20 @@ class FSDPParam:
         if param is None or param.grad is None:
             return
         if self.accumulated_grad is not None:
-            self.accumulated_grad += param.grad
+            self.accumulated_grad += self.local_grad(param.grad)
             param.grad = None
         elif self.reduce_dtype is not None and param.grad.dtype != self.reduce_dtype:
-            self.accumulated_grad, param.grad = param.grad.to(self.reduce_dtype), None
+            self.accumulated_grad, param.grad = self.local_grad(param.grad).to(self.reduce_dtype), None
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of the unsharded parameter as FSDP reduces it: a TP DTensor gradient in TP's placements
+        (a Partial one is reduced over TP first), its local block."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != self.tp_spec.placements:
+            with torch.no_grad():
+                grad = grad.redistribute(placements=self.tp_spec.placements)
+        return grad._local_tensor
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced, padded flat shard to ``sharded_param.grad`` (a DTensor like the parameter)."""
@@ -234,7 +282,12 @@ class FSDPParam:
         param = self.sharded_param
         if param.grad is not None:
             local = local_of(param.grad) + local
-        param.grad = sharded_tensor(local, self.mesh_info.mesh, self.placements, self.shape, self.stride)
+        param.grad = sharded_tensor(local, self.mesh, self.placements, self.shape, self.stride)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn or '?'}, shape={tuple(self.shape)}, placements={self.placements})"
+
+
+def _data(param: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``param``'s storage: its local block if it is a DTensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param

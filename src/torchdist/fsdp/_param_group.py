@@ -194,7 +194,7 @@ class FSDPParamGroup:
         for param in self.params:
             grad = param.take_unsharded_grad()
             if grad is None and self.reduce_scatter_unused_params and param.requires_grad:
-                grad = torch.zeros(param.shape, dtype=param.all_gather_dtype)
+                grad = torch.zeros(param.local_shape, dtype=param.all_gather_dtype)
             if grad is not None:
                 with_grad.append(param)
                 grads.append(grad)

@@ -14,11 +14,11 @@ from ..device_mesh import DeviceMesh, init_device_mesh
 from ._api import DTensor
 from ._distribute import distribute_module, distribute_tensor
 from ._factories import empty, full, ones, rand, randn, zeros
-from ._placements import Partial, Placement, Replicate, Shard
+from ._placements import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = [
     "DTensor", "distribute_tensor", "distribute_module", "Shard", "Replicate", "Partial", "Placement",
     "ones", "empty", "full", "rand", "randn", "zeros"
 ]
-# PyTorch's module also offers the mesh names, outside __all__.
-_MESH_NAMES = (DeviceMesh, init_device_mesh)
+# PyTorch's module also offers the mesh names and _StridedShard (FSDP + TP's placement), outside __all__.
+_PRIVATE_NAMES = (DeviceMesh, init_device_mesh, _StridedShard)

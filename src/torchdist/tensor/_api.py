@@ -19,6 +19,7 @@ import copy
 from typing import Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..device_mesh import DeviceMesh
 from ..device_mesh._mesh import _mesh_resources
@@ -196,8 +197,15 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         from ._dispatch import dispatch
+        from ._strided import dispatch_foreach_by_index, dispatch_strided, has_strided
 
-        return dispatch(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        dtensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, DTensor)]
+        if any(has_strided(x._spec) for x in dtensors):
+            return dispatch_strided(func, args, kwargs)
+        if func._schema.name.startswith("aten::_foreach_") and len({x.device_mesh for x in dtensors}) > 1:
+            return dispatch_foreach_by_index(func, args, kwargs)
+        return dispatch(func, args, kwargs)
 
     # -- conversions -----------------------------------------------------------------------------
     @staticmethod

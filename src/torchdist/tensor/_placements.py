@@ -6,13 +6,23 @@ dimension ``d`` over the ranks of that mesh dimension with torch.chunk's rule
 ``Replicate()`` gives every rank the whole tensor; ``Partial(op)`` gives every
 rank a tensor of the full shape whose reduction with ``op`` over the mesh
 dimension is the value.
+
+``_StridedShard(dim, split_factor=f)`` (private, as in PyTorch) is the layout that
+FSDP2 gives a parameter that tensor parallelism had already sharded on the same
+dim: cut ``dim`` into ``f`` torch.chunk pieces, cut each piece into ``k`` chunks,
+and rank ``i`` holds chunk ``i`` of every piece, concatenated. Read left to right
+over the mesh, ``(_StridedShard(0, split_factor=tp), Shard(0))`` on a ``(dp, tp)``
+mesh is "TP shards first, then FSDP shards each TP block" (right to left)::
+
+    rows 0..7, dp=2, tp=2:   rank (dp, tp) = (0, 0): 0-1   (0, 1): 4-5   (1, 0): 2-3   (1, 1): 6-7
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_size_and_offset"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard", "shard_size_and_offset",
+           "shard_indices", "is_shard_like"]
 
 _PARTIAL_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -28,7 +38,7 @@ def shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, 
 
 
 class Placement:
-    """The base of the three placements; ``is_*`` ask which one this is."""
+    """The base of the placements; ``is_*`` ask which one this is."""
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -99,6 +109,83 @@ def pad_dim(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+
+
+class _StridedShard(Placement):
+    """Tensor dimension ``dim`` cut into ``split_factor`` pieces, each split over the mesh dimension; a rank holds
+    its chunk of every piece (see the module docstring). Not a ``Shard`` (``is_shard()`` is False), as in PyTorch."""
+
+    __slots__ = ("dim", "split_factor")
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard received both split_factor and sf")
+            split_factor = sf
+        self.dim = dim
+        self.split_factor = int(split_factor)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _StridedShard) and other.dim == self.dim and other.split_factor == self.split_factor
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.split_factor))
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __reduce__(self):
+        return _strided_shard, (self.dim, self.split_factor)
+
+    def indices(self, size: int, num_chunks: int, index: int) -> list[int]:
+        """The rows of a dimension of ``size`` rows that chunk ``index`` of ``num_chunks`` holds, in its order."""
+        rows: list[int] = []
+        for piece_len, piece_start in (shard_size_and_offset(size, self.split_factor, j)
+                                       for j in range(self.split_factor)):
+            length, offset = shard_size_and_offset(piece_len, num_chunks, index)
+            rows.extend(range(piece_start + offset, piece_start + offset + length))
+        return rows
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """(length, first row) of chunk ``rank``; the first row is -1 for an empty chunk, as in PyTorch."""
+        rows = self.indices(curr_local_size, num_chunks, rank)
+        return len(rows), rows[0] if rows else -1
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def _split_tensor(self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+        """The ``num_chunks`` strided chunks along ``self.dim`` and, with ``with_padding``, how many rows each lacks
+        to the largest one (the chunks themselves are not padded, as in PyTorch)."""
+        size = tensor.size(self.dim)
+        pieces = []
+        for index in range(num_chunks):
+            rows = torch.tensor(self.indices(size, num_chunks, index), dtype=torch.long, device=tensor.device)
+            piece = tensor.index_select(self.dim, rows)
+            pieces.append(piece.contiguous() if contiguous else piece)
+        longest = max((p.size(self.dim) for p in pieces), default=0)
+        return pieces, [longest - p.size(self.dim) for p in pieces] if with_padding else []
+
+
+def _strided_shard(dim: int, split_factor: int) -> _StridedShard:
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def shard_indices(placement: Placement, size: int, num_chunks: int, index: int) -> list[int]:
+    """The rows of a dimension of ``size`` rows that ``placement`` (Shard or _StridedShard) gives chunk ``index``."""
+    if isinstance(placement, _StridedShard):
+        return placement.indices(size, num_chunks, index)
+    length, offset = shard_size_and_offset(size, num_chunks, index)
+    return list(range(offset, offset + length))
+
+
+def is_shard_like(placement: Placement) -> bool:
+    """Whether ``placement`` splits a tensor dimension: ``Shard`` or ``_StridedShard``."""
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 class Replicate(Placement):

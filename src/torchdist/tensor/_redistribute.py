@@ -9,6 +9,8 @@ Partial -> Shard(d)    reduce_scatter_single (input padded)
 Replicate -> Shard(d)  nothing: keep this rank's chunk
 Replicate -> Partial   nothing: sum keeps 1/n of the value, avg/max/min all of it
 Shard(d) -> Shard(e)   all_to_all_single (pieces flattened, so uneven works)
+_StridedShard -> Repl. all_gather_single, then rows put back in order
+Repl. -> _StridedShard nothing: keep this rank's strided rows
 anything else          through Replicate
 =====================  ==================================================
 
@@ -28,7 +30,8 @@ import torch
 
 from .._c10d.collectives import all_gather_single, all_reduce, all_to_all_single, reduce_scatter_single
 from .._process_group.reduce_op import ReduceOp
-from ._placements import Partial, Placement, Replicate, Shard, pad_dim, shard_size_and_offset
+from ._placements import (Partial, Placement, Replicate, Shard, _StridedShard, is_shard_like, pad_dim, shard_indices,
+                          shard_size_and_offset)
 from ._spec import DTensorSpec
 
 __all__ = ["redistribute_local_tensor", "reduce_op_of"]
@@ -47,14 +50,14 @@ def _level_size(spec: DTensorSpec, placements: Sequence[Placement], mesh_dim: in
     coordinate = spec.mesh.get_coordinate()
     for outer in range(mesh_dim):
         placement = placements[outer]
-        if isinstance(placement, Shard) and placement.dim == dim:
-            size, _ = shard_size_and_offset(size, spec.mesh.size(outer), coordinate[outer])
+        if is_shard_like(placement) and placement.dim == dim:
+            size = len(shard_indices(placement, size, spec.mesh.size(outer), coordinate[outer]))
     return size
 
 
 def _inner_shards(placements: Sequence[Placement], mesh_dim: int, dims: set[int]) -> bool:
     """Whether a mesh dimension after ``mesh_dim`` shards one of the tensor dimensions ``dims``."""
-    return any(isinstance(p, Shard) and p.dim in dims for p in placements[mesh_dim + 1:])
+    return any(is_shard_like(p) and p.dim in dims for p in placements[mesh_dim + 1:])
 
 
 def _gather(local: torch.Tensor, group, world: int, dim: int, size: int) -> torch.Tensor:
@@ -65,6 +68,42 @@ def _gather(local: torch.Tensor, group, world: int, dim: int, size: int) -> torc
     all_gather_single(out, moved, group=group)
     pieces = [out.narrow(0, i * full, shard_size_and_offset(size, world, i)[0]) for i in range(world)]
     return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+
+def _gather_strided(local: torch.Tensor, group, placement: _StridedShard, world: int, size: int) -> torch.Tensor:
+    """_StridedShard -> Replicate on one mesh dimension: all-gather the padded chunks, then put every row back at its
+    place (chunk ``i`` holds rows ``placement.indices(size, world, i)``)."""
+    dim = placement.dim
+    rows = [placement.indices(size, world, i) for i in range(world)]
+    full = max(len(r) for r in rows)
+    moved = pad_dim(local, dim, full).movedim(dim, 0).contiguous()
+    out = moved.new_empty((world * full, *moved.shape[1:]))
+    all_gather_single(out, moved, group=group)
+    valid = torch.cat([out.narrow(0, i * full, len(r)) for i, r in enumerate(rows)], 0)
+    order = torch.tensor([row for r in rows for row in r], dtype=torch.long, device=local.device)
+    whole = valid.new_empty((size, *valid.shape[1:])).index_copy_(0, order, valid)
+    return whole.movedim(0, dim).contiguous()
+
+
+def _strided_step(local: torch.Tensor, spec: DTensorSpec, current: list[Placement], mesh_dim: int,
+                  target: Placement) -> torch.Tensor:
+    """A step from or to a _StridedShard (not to Partial): gather, select locally, or go through Replicate."""
+    source = current[mesh_dim]
+    world = spec.mesh.size(mesh_dim)
+    rank = spec.mesh.get_coordinate()[mesh_dim]
+    if isinstance(source, _StridedShard) and isinstance(target, Replicate):
+        size = _level_size(spec, current, mesh_dim, source.dim)
+        if world > 1:
+            local = _gather_strided(local, spec.mesh.get_group(mesh_dim), source, world, size)
+    elif isinstance(source, Replicate) and isinstance(target, _StridedShard):
+        rows = torch.tensor(target.indices(local.size(target.dim), world, rank), dtype=torch.long,
+                            device=local.device)
+        local = local.index_select(target.dim, rows).contiguous()
+    else:
+        local = _step(local, spec, current, mesh_dim, Replicate())
+        return _step(local, spec, current, mesh_dim, target)
+    current[mesh_dim] = target
+    return local
 
 
 def _reduce_scatter(local: torch.Tensor, group, world: int, rank: int, dim: int, op: ReduceOp) -> torch.Tensor:
@@ -110,6 +149,8 @@ def _step(local: torch.Tensor, spec: DTensorSpec, current: list[Placement], mesh
           target: Placement) -> torch.Tensor:
     """Change mesh dimension ``mesh_dim`` from ``current[mesh_dim]`` to ``target`` and record it in ``current``."""
     source = current[mesh_dim]
+    if not isinstance(target, Partial) and (isinstance(source, _StridedShard) or isinstance(target, _StridedShard)):
+        return _strided_step(local, spec, current, mesh_dim, target)
     mesh = spec.mesh
     world = mesh.size(mesh_dim)
     rank = mesh.get_coordinate()[mesh_dim]
@@ -140,7 +181,7 @@ def _step(local: torch.Tensor, spec: DTensorSpec, current: list[Placement], mesh
 
 
 def _direct_is_safe(current: Sequence[Placement], mesh_dim: int, target: Placement) -> bool:
-    dims = {p.dim for p in (current[mesh_dim], target) if isinstance(p, Shard)}
+    dims = {p.dim for p in (current[mesh_dim], target) if is_shard_like(p)}
     if isinstance(current[mesh_dim], Partial) and isinstance(target, Partial):
         return current[mesh_dim] == target
     return not _inner_shards(current, mesh_dim, dims)
@@ -171,7 +212,7 @@ def redistribute_local_tensor(local: torch.Tensor, spec: DTensorSpec, placements
     # Through Replicate: unshard innermost first, then place outermost first.
     for mesh_dim in reversed(range(len(current))):  # unchanged shards too: they may sit inside a changing one
         if not isinstance(current[mesh_dim], Replicate) and (
-                current[mesh_dim] != placements[mesh_dim] or isinstance(current[mesh_dim], Shard)):
+                current[mesh_dim] != placements[mesh_dim] or is_shard_like(current[mesh_dim])):
             local = _step(local, spec, current, mesh_dim, Replicate())
     for mesh_dim in range(len(current)):
         if current[mesh_dim] != placements[mesh_dim]:

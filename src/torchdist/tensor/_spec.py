@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..device_mesh import DeviceMesh
-from ._placements import Placement, Shard, shard_size_and_offset
+from ._placements import Placement, Shard, _StridedShard, is_shard_like, shard_indices, shard_size_and_offset
 
 __all__ = ["TensorMeta", "DTensorSpec", "compute_local_shape_and_global_offset", "normalize_placements",
            "contiguous_strides", "global_shape_from_local"]
@@ -57,7 +57,7 @@ class DTensorSpec:
         """How many pieces the shards cut the tensor into."""
         count = 1
         for mesh_dim, placement in enumerate(self.placements):
-            if placement.is_shard():
+            if is_shard_like(placement):
                 count *= self.mesh.size(mesh_dim)
         return count
 
@@ -85,11 +85,14 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, ndim
     for placement in placements:
         if not isinstance(placement, Placement):
             raise TypeError(f"{op}: placements must be Shard, Replicate or Partial, got {placement!r}")
-        if isinstance(placement, Shard):
+        if is_shard_like(placement):
             dim = placement.dim
             if not -ndim <= dim < max(ndim, 1) or ndim == 0:
-                raise IndexError(f"{op}: Shard({dim}) is out of range for a tensor with {ndim} dimension(s)")
-            placement = Shard(dim + ndim) if dim < 0 else placement
+                what = f"Shard({dim})" if isinstance(placement, Shard) else repr(placement)
+                raise IndexError(f"{op}: {what} is out of range for a tensor with {ndim} dimension(s)")
+            if dim < 0:
+                placement = Shard(dim + ndim) if isinstance(placement, Shard) else \
+                    _StridedShard(dim + ndim, split_factor=placement.split_factor)
         out.append(placement)
     return tuple(out)
 
@@ -105,12 +108,31 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
     coordinate = mesh.get_coordinate() if coordinate is None else coordinate
     if coordinate is None:
         return (0,), ()
+    if any(isinstance(p, _StridedShard) for p in placements):
+        return _strided_local_shape_and_offset(global_shape, mesh, placements, coordinate)
     shape, offset = list(global_shape), [0] * len(global_shape)
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             length, start = shard_size_and_offset(shape[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
             shape[placement.dim] = length
             offset[placement.dim] += start
+    return tuple(shape), tuple(offset)
+
+
+def _strided_local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                                    coordinate: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """As PyTorch with a ``_StridedShard``: follow the global rows each sharded dim keeps, mesh dim by mesh dim; the
+    offset is the first kept row (the dim's size when none is kept)."""
+    rows: dict[int, list[int]] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if is_shard_like(placement):
+            held = rows.get(placement.dim, list(range(global_shape[placement.dim])))
+            chosen = shard_indices(placement, len(held), mesh.size(mesh_dim), coordinate[mesh_dim])
+            rows[placement.dim] = [held[i] for i in chosen]
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for dim, held in rows.items():
+        shape[dim] = len(held)
+        offset[dim] = held[0] if held else global_shape[dim]
     return tuple(shape), tuple(offset)
 
 
@@ -129,7 +151,7 @@ def global_shape_from_local(local: torch.Tensor, mesh: DeviceMesh, placements: S
     shape = list(local.shape)
     stride = list(local.stride())
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+        if is_shard_like(placement):
             k = mesh.size(mesh_dim)
             for d in range(len(shape)):  # dimensions laid out outside the sharded one grow with it
                 if d != placement.dim and stride[d] >= stride[placement.dim] * max(shape[placement.dim], 1):
