@@ -3,9 +3,10 @@
 Register one with ``ddp_model.register_comm_hook(state, hook)``, or by type with
 ``register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, ddp_model)``.
 Post-local SGD is the submodule ``post_localSGD_hook`` (with
-``torchdist.algorithms.model_averaging``), as in PyTorch. Not provided: the
-ZeroRedundancyOptimizer overlap hooks (``ddp_zero_hook``), the CUDA-stream
-mixed-precision hook and the optimizer-overlap hooks (see docs/design/ddp.md).
+``torchdist.algorithms.model_averaging``), and the ZeroRedundancyOptimizer overlap
+hooks the submodule ``ddp_zero_hook``, imported by name as in PyTorch (it is not
+imported here). Not provided: the CUDA-stream mixed-precision hook and the
+optimizer-overlap hooks (see docs/design/ddp.md).
 """
 
 import enum
