@@ -16,16 +16,22 @@ import torch
 from ._c10d.collectives import (all_gather, all_gather_coalesced, all_gather_into_tensor, all_gather_single,
                                 all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier, broadcast,
                                 gather, reduce, reduce_scatter, reduce_scatter_single, reduce_scatter_tensor, scatter)
+from ._c10d.breakpoint import breakpoint
 from ._c10d.debug import DebugLevel, get_debug_level
 from ._c10d.groups import (get_global_rank, get_group_rank, get_pg_count, get_process_group_ranks, new_group,
                            new_subgroups, new_subgroups_by_enumeration, split_group)
-from ._c10d.init import (default_pg_timeout, destroy_process_group, get_backend, get_node_local_rank, get_rank,
-                         get_world_size, init_process_group, is_initialized, is_torchelastic_launched)
+from ._c10d.init import (default_pg_timeout, destroy_process_group, get_backend, get_backend_config,
+                         get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized,
+                         is_torchelastic_launched)
 from ._c10d.object_collectives import (all_gather_object, broadcast_object_list, gather_object, recv_object_list,
                                        scatter_object_list, send_object_list)
 from ._c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, monitored_barrier, recv, send
 from ._c10d.world import WORLD, GroupMember, group
-from ._process_group.process_group import ProcessGroup
+from ._process_group import options as _options
+from ._process_group.options import (AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
+                                     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions,
+                                     ScatterOptions)
+from ._c10d.process_group_ops import ProcessGroup
 from ._process_group.reduce_op import ReduceOp, reduce_op, supports_complex
 from ._process_group.registry import (Backend, BackendConfig, get_default_backend_for_device, is_backend_available,
                                       is_gloo_available, is_mpi_available, is_nccl_available, is_ucc_available,
@@ -41,9 +47,13 @@ __all__ = [
     "is_backend_available", "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_ucc_available",
     "is_xccl_available", "get_default_backend_for_device", "GroupMember", "group", "default_pg_timeout",
     "init_process_group", "destroy_process_group", "is_initialized", "is_torchelastic_launched",
-    "get_rank", "get_world_size", "get_backend", "get_node_local_rank", "DebugLevel", "get_debug_level",
+    "get_rank", "get_world_size", "get_backend", "get_backend_config", "get_node_local_rank", "DebugLevel",
+    "get_debug_level", "breakpoint",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
     "get_global_rank", "get_group_rank", "get_pg_count", "get_process_group_ranks",
+    # the options of ProcessGroup's op methods (AllgatherOptions is here, not in torch.distributed, as in PyTorch)
+    "AllreduceOptions", "AllreduceCoalescedOptions", "AllToAllOptions", "BarrierOptions", "BroadcastOptions",
+    "GatherOptions", "ReduceOptions", "ReduceScatterOptions", "ScatterOptions",
     # collectives
     "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "all_gather_coalesced", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
@@ -54,6 +64,9 @@ __all__ = [
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
 ]
+
+#: In PyTorch's module, not in its package's names: so here, outside ``__all__``.
+AllgatherOptions = _options.AllgatherOptions
 
 
 # -- PyTorch's private helpers that libraries call --------------------------------------------

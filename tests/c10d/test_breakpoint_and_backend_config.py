@@ -9,8 +9,6 @@ import tempfile
 import time
 
 import torchdist as dist
-from torchdist._c10d.breakpoint import breakpoint as dist_breakpoint
-from torchdist._c10d.init import get_backend_config
 from torchdist._c10d.world import WORLD
 from torchdist.testing import run_ranks
 
@@ -31,7 +29,7 @@ def _debugged(rank: int, world: int, commands: str) -> tuple[str, float, list[fl
     start = time.monotonic()
     with contextlib.redirect_stdout(output):
         for _ in range(2):
-            dist_breakpoint(rank=0, skip=1, timeout_s=1234)
+            dist.breakpoint(rank=0, skip=1, timeout_s=1234)
     waited = time.monotonic() - start
     return output.getvalue(), waited, [group.timeout.total_seconds() for group in WORLD.groups.values()]
 
@@ -49,7 +47,7 @@ def test_breakpoint_stops_one_rank_while_the_others_wait() -> None:
 
 def _configs(rank: int, world: int) -> list[str]:
     tcp = dist.new_group(list(range(world)), backend="cpu:tcp")
-    return [get_backend_config(), get_backend_config(tcp), str(dist.get_backend(tcp))]
+    return [dist.get_backend_config(), dist.get_backend_config(tcp), str(dist.get_backend(tcp))]
 
 
 def test_get_backend_config_names_the_cpu_backend() -> None:

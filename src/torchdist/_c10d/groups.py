@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .._process_group.process_group import ProcessGroup
+from .process_group_ops import ProcessGroup
 from .._process_group.registry import DEFAULT_CPU_BACKEND, Backend, create_backend
 from .._store.base import as_timedelta
 from .._store.prefix_store import PrefixStore
