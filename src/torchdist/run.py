@@ -28,10 +28,9 @@ import sys
 import uuid
 from argparse import REMAINDER, Action, ArgumentParser
 
-from .elastic.agent import SignalException
 from .elastic.config import LaunchConfig, parse_min_max_nnodes, parse_nproc_per_node, parse_rdzv_conf, parse_signals
 from .elastic.launch import launch_agent
-from .elastic.multiprocessing.api import Std
+from .elastic.multiprocessing.api import SignalException, Std
 from .elastic.multiprocessing.errors import ChildFailedError, get_error_handler, record
 from .elastic.rendezvous import RendezvousError
 

@@ -134,7 +134,7 @@ def test_record_writes_torchruns_error_file(tmp_path, monkeypatch):
     assert data["message"] == "KeyError: 'missing'"
     assert "Traceback" in data["extraInfo"]["py_callstack"] and int(data["extraInfo"]["timestamp"]) > 0
     failure = ProcessFailure(local_rank=0, pid=123, exitcode=1, error_file=str(error_file))
-    assert failure.has_error_file() and "KeyError" in failure.message
+    assert failure.has_error_file() and failure.message == data and "KeyError" in failure.text()  # torch: the dict
 
     @record
     def exits(code):

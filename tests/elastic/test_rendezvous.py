@@ -56,8 +56,9 @@ def test_two_nodes_form_one_round_with_distinct_ranks():
         assert a.is_host != b.is_host, "exactly one agent hosts the store"
         ia, ib = _in_threads(lambda: a.next_rendezvous(2), lambda: b.next_rendezvous(3))
         assert {ia.group_rank, ib.group_rank} == {0, 1}
-        assert ia.world_size == ib.world_size == 5 and ia.group_world_size == 2
-        assert {ia.rank_offset, ib.rank_offset} in ({0, 2}, {0, 3})
+        assert ia.world_size == ib.world_size == ia.group_world_size == 2  # torch's meaning: nodes
+        assert ia.num_workers(2) == ib.num_workers(3) == 5
+        assert {ia.rank_offset(2), ib.rank_offset(3)} in ({0, 2}, {0, 3})
         assert (ia.master_addr, ia.master_port) == ("localhost", port)
     finally:
         b.shutdown(), a.shutdown()

@@ -25,14 +25,15 @@ import logging
 import multiprocessing.spawn
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 from typing import Any, Callable
 
 from .._auth import SECRET_ENV, new_secret, resolve_secret
-from .agent import LocalElasticAgent, WorkerSpec
+from .agent.server import LocalElasticAgent, WorkerSpec, WorkerState
 from .config import LaunchConfig
-from .multiprocessing.api import Std
+from .multiprocessing.api import DefaultLogsSpecs
 from .multiprocessing.errors import ChildFailedError
 from .rendezvous import RendezvousParameters, get_rendezvous_handler
 
@@ -83,25 +84,29 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: list[An
     )
     handler = get_rendezvous_handler(params)
     try:
+        logs_specs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
+                                      local_ranks_filter=config.local_ranks_filter)
         spec = WorkerSpec(
             role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler, entrypoint=entrypoint,
             args=tuple(args), max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
-            local_addr=config.local_addr,
-        )
-        agent = LocalElasticAgent(
-            spec, run_id=config.run_id, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
-            local_ranks_filter=config.local_ranks_filter, log_line_prefix_template=config.log_line_prefix_template,
-            extra_env={SECRET_ENV: secret} if secret else {SECRET_ENV: ""}, shutdown_timeout=config.shutdown_timeout,
-            exit_barrier_timeout=config.exit_barrier_timeout, signals_to_handle=config.signals_to_handle,
-            duplicate_filters={Std.OUT: config.duplicate_stdout_filters, Std.ERR: config.duplicate_stderr_filters},
+            local_addr=config.local_addr, duplicate_stdout_filters=list(config.duplicate_stdout_filters),
+            duplicate_stderr_filters=list(config.duplicate_stderr_filters),
             virtual_local_rank=config.virtual_local_rank,
         )
-    except BaseException:
+        agent = LocalElasticAgent(
+            spec, logs_specs, exit_barrier_timeout=config.exit_barrier_timeout,
+            log_line_prefix_template=config.log_line_prefix_template, shutdown_timeout=config.shutdown_timeout,
+            extra_env={SECRET_ENV: secret} if secret else {SECRET_ENV: ""},
+            signals_to_handle=config.signals_to_handle,
+        )
+        result = agent.run()
+    finally:
         handler.shutdown()
-        raise
-    result = agent.run()
     if result.is_failed():
         raise ChildFailedError(name or _entrypoint_name(entrypoint, args), result.failures, result.hosts, result.note)
+    if logs_specs.owns_root and result.state == WorkerState.SUCCEEDED:
+        # Without --log-dir, logs and error files went to a temp dir: kept only when the run failed.
+        shutil.rmtree(logs_specs.root_log_dir, ignore_errors=True)
     return result.return_values
 
 

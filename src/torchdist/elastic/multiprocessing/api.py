@@ -1,242 +1,152 @@
-"""Start, watch and stop the worker processes of one node, leaving none behind.
+"""Start, watch and stop the worker processes of one node (torch.distributed.elastic.multiprocessing.api).
 
-:func:`start_processes` starts one process per local rank and returns a
-:class:`SubprocessContext`; :meth:`~SubprocessContext.wait` polls it and
-:meth:`~SubprocessContext.close` stops what is still running.
+::
 
-No orphans, by three means:
+    PContext                 name, entrypoint, args/envs by local rank, LogsSpecs -> start / wait / pids / close
+     ├── SubprocessContext   the entrypoint is an executable: ``entrypoint *args[r]`` per local rank
+     └── MultiprocessContext the entrypoint is a function: ``entrypoint(*args[r])``, return values kept
 
-1. Each worker is the leader of its own session and process group, so stopping a
-   worker signals its whole group (``killpg``): helpers it forked go too, and a
-   Ctrl-C on the terminal reaches the launcher only, which forwards it (torchrun's
-   behaviour).
-2. On Linux each worker asks the kernel for ``SIGKILL`` when its parent dies
-   (``PR_SET_PDEATHSIG``, set between ``fork`` and ``exec``), so killing the
-   launcher with ``SIGKILL`` still takes its workers down. The kernel ties this to
-   the *thread* that forked, so start workers from a thread that lives as long as
-   the agent (the agent uses its main thread).
-3. :meth:`close` sends the death signal, waits up to ``timeout`` seconds, then
-   ``SIGKILL``\\s the groups and reaps every process.
+:meth:`PContext.wait` returns ``None`` while every worker runs, else a
+:class:`RunProcsResult` as soon as all succeeded or one failed; in the second case
+the others are stopped first (as torch's). Unlike torch, a worker this context
+stopped is not listed as a failure: only the workers that failed on their own are.
 
-Output: per stream, :class:`Std` says which streams go to files (``redirects``)
-and which are also echoed to the console with a line prefix (``tee``); see
-:mod:`torchdist.elastic.multiprocessing.tee`.
+A function runs in a fresh interpreter (:mod:`~torchdist.elastic.function_worker`),
+whatever ``start_method`` says: this keeps one process model (process groups, no
+orphans, the output copier) for both kinds, at the cost of ``"fork"``'s shared
+memory. The function and its arguments must be picklable, as with ``"spawn"``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
+import abc
+import contextlib
 import logging
+import multiprocessing.spawn
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Mapping
+from types import FrameType
+from typing import Any, Callable
 
+from ._std import Std, to_map
 from .errors import ProcessFailure
-from .tee import StreamCopier
+from .logs_specs import DefaultLogsSpecs, LogsDest, LogsSpecs
+from .subprocess_handler import SubprocessHandler
 
-__all__ = ["Std", "to_map", "WorkerCommand", "RunProcsResult", "SubprocessContext", "start_processes"]
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "MultiprocessContext", "PContext", "RunProcsResult",
+           "SignalException", "Std", "SubprocessContext", "get_std_cm", "to_map"]
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+_START_METHODS = ("spawn", "fork", "forkserver")
 
 
-class Std(enum.IntFlag):
-    """Which standard streams a setting applies to: ``0`` none, ``1`` out, ``2`` err, ``3`` both."""
+class SignalException(Exception):
+    """The launcher received ``sigval``; its workers are stopped with the same signal."""
 
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-    @classmethod
-    def from_str(cls, value: str) -> "Std | dict[int, Std]":
-        """``"3"`` -> ``Std.ALL``; ``"0:1,1:2"`` -> ``{0: Std.OUT, 1: Std.ERR}`` (per local rank)."""
-        value = value.strip()
-        try:
-            if ":" not in value:
-                return cls._one(value)
-            pairs = (item.split(":") for item in value.split(","))
-            return {int(rank): cls._one(std) for rank, std in pairs}
-        except ValueError:
-            raise ValueError(
-                f"{value!r} is not a valid stream setting: use 0 (none), 1 (stdout), 2 (stderr), 3 (both), "
-                "or per local rank as 'local_rank:value,...' (e.g. '0:3,1:0')"
-            ) from None
-
-    @classmethod
-    def _one(cls, text: str) -> "Std":
-        number = int(text)
-        if not 0 <= number <= 3:
-            raise ValueError(text)
-        return cls(number)
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
 
 
-def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
-    """One :class:`Std` per local rank; ranks a mapping leaves out get ``Std.NONE``."""
-    if isinstance(value, Std):
-        return {rank: value for rank in range(local_world_size)}
-    return {rank: Std(value.get(rank, Std.NONE)) for rank in range(local_world_size)}
+def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
-@dataclass(frozen=True)
-class WorkerCommand:
-    """Everything needed to start one worker process."""
+def _install_signal_handlers() -> None:
+    """torch's: the signals of ``$TORCHELASTIC_SIGNALS_TO_HANDLE`` raise :class:`SignalException`.
 
-    local_rank: int
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    log_dir: str  # stdout.log, stderr.log and error.json of this worker
-    redirect: Std = Std.NONE  # streams written to files (not echoed unless in ``tee``)
-    tee: Std = Std.NONE  # streams written to files and echoed with ``prefix``
-    quiet: bool = False  # local_ranks_filter excludes this rank from the console
-    prefix: str = ""
-    #: Per stream: echoed lines containing one of these strings are also appended
-    #: (prefixed) to filtered_stdout.log / filtered_stderr.log next to the ranks' dirs.
-    duplicate_filters: Mapping[Std, tuple[str, ...]] = field(default_factory=dict)
+    Only where no handler of the program's own is installed (the agent installs one that
+    also survives a second signal while stopping), and only from the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("started from a child thread: no signal handlers; a killed launcher may orphan workers")
+        return
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
+        sig = getattr(signal, name.strip(), None)
+        if sig is None:
+            log.warning("Failed to register signal handler for %s", name)
+        elif signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, _terminate_process_handler)
 
-    @property
-    def error_file(self) -> str:
-        return os.path.join(self.log_dir, "error.json")
+
+def get_std_cm(std_rd: str, redirect_fn: Callable[[str], Any]) -> Any:
+    """``redirect_fn(std_rd)`` (a context manager redirecting a stream to the file ``std_rd``), or a no-op
+    context when there is no file (torch's helper)."""
+    if not std_rd or sys.platform in ("win32", "darwin"):  # as torch's: no fd-level redirect there
+        return contextlib.nullcontext()
+    return redirect_fn(std_rd)
+
+
+def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
+    if set(d) != set(range(nprocs)):
+        raise RuntimeError(f"{what}, local rank mapping mismatch, expected: {nprocs}, actual: {len(d)}")
 
 
 @dataclass
 class RunProcsResult:
-    """The outcome of a finished group: ``failures`` is empty on success."""
+    """The outcome of a finished group, by local rank: ``failures`` is empty on success; ``stdouts`` /
+    ``stderrs`` name each rank's log file ("" where the stream was not redirected)."""
 
-    return_values: dict[int, object] = field(default_factory=dict)
+    return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
-    stdouts: dict[int, str] = field(default_factory=dict)  # by local rank: its stdout.log, "" if not redirected
+    stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return bool(self.failures)
 
 
-def _die_with_parent(parent_pid: int):
-    """The ``preexec_fn`` asking the kernel to SIGKILL the worker when the launcher dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        log.warning("prctl is unavailable: workers will not die with a SIGKILLed launcher")
-        return None
+class PContext(abc.ABC):
+    """A set of worker processes started together; see the module docstring."""
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-class _Worker:
-    """One started process and the threads and files that carry its output."""
-
-    def __init__(self, command: WorkerCommand) -> None:
-        self.command = command
-        os.makedirs(command.log_dir, exist_ok=True)
-        self.copiers: list[StreamCopier] = []
-        self.files: list[BinaryIO] = []
-        stdout = self._target(Std.OUT)
-        stderr = self._target(Std.ERR)
-        self.proc = subprocess.Popen(
-            list(command.argv),
-            env=dict(command.env),
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
-        for file in self.files:  # the child holds its own descriptors now
-            file.close()
-        self.files.clear()
-        for std, pipe, console in ((Std.OUT, self.proc.stdout, sys.stdout), (Std.ERR, self.proc.stderr, sys.stderr)):
-            if pipe is None:
-                continue
-            tee = bool(self.command.tee & std) and not self.command.quiet
-            log_file = open(self._log_path(std), "wb") if (self.command.tee | self.command.redirect) & std else None
-            filters = self.command.duplicate_filters.get(std, ()) if tee else ()
-            copier = StreamCopier(
-                pipe,
-                log_file=log_file,
-                console=_binary(console) if tee else None,
-                prefix=self.command.prefix.encode(),
-                name=f"torchdist-tee-{self.command.local_rank}-{std.name.lower()}",
-                duplicate=(self._filtered_path(std), filters) if filters else None,
-            )
-            copier.start()
-            self.copiers.append(copier)
-
-    def _log_path(self, std: Std) -> str:
-        return os.path.join(self.command.log_dir, "stdout.log" if std == Std.OUT else "stderr.log")
-
-    def log_file(self, std: Std) -> str:
-        """The file ``std`` is written to, or "" if it is not (``RunProcsResult.stdouts``)."""
-        return self._log_path(std) if (self.command.redirect | self.command.tee) & std else ""
-
-    def _filtered_path(self, std: Std) -> str:
-        """The attempt's file of filtered lines, shared by its ranks (torchrun's layout)."""
-        name = "filtered_stdout.log" if std == Std.OUT else "filtered_stderr.log"
-        return os.path.join(os.path.dirname(self.command.log_dir), name)
-
-    def _target(self, std: Std):
-        """Where the child writes ``std``: inherited, a file, a pipe (tee), or nowhere."""
-        cmd = self.command
-        if cmd.tee & std and not cmd.quiet:
-            return subprocess.PIPE
-        if (cmd.redirect | cmd.tee) & std:
-            file = open(self._log_path(std), "wb")
-            self.files.append(file)
-            return file
-        return subprocess.DEVNULL if cmd.quiet else None
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the whole group is gone already
-
-    def join_output(self, timeout: float) -> None:
-        for copier in self.copiers:
-            copier.join(timeout)
-
-
-def _binary(stream) -> BinaryIO:
-    return getattr(stream, "buffer", stream)
-
-
-class SubprocessContext:
-    """The worker processes of one node for one attempt."""
-
-    def __init__(self, name: str, commands: list[WorkerCommand]) -> None:
+    def __init__(self, name: str, entrypoint: Callable | str, args: dict[int, tuple], envs: dict[int, dict[str, str]],
+                 logs_specs: LogsSpecs, log_line_prefixes: dict[int, str] | None = None,
+                 duplicate_stdout_filters: list[str] | None = None,
+                 duplicate_stderr_filters: list[str] | None = None) -> None:
         self.name = name
-        self._commands = commands
-        self._workers: list[_Worker] = []
-        self._closed = False
+        self.nprocs = len(args)
+        _validate_full_rank(args, self.nprocs, "args")
+        _validate_full_rank(envs, self.nprocs, "envs")
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self._dest: LogsDest = logs_specs.reify(envs)
+        _validate_full_rank(self._dest.stdouts, self.nprocs, "stdouts")
+        _validate_full_rank(self._dest.stderrs, self.nprocs, "stderrs")
+        self.stdouts = self._dest.stdouts
+        self.stderrs = self._dest.stderrs
+        self.error_files = self._dest.error_files
+        self._prefixes = log_line_prefixes or {}
+        self._filters = {"out": (self._dest.filtered_stdout, tuple(duplicate_stdout_filters or ())),
+                         "err": (self._dest.filtered_stderr, tuple(duplicate_stderr_filters or ()))}
+        #: Seconds the workers get between the death signal and SIGKILL when ``wait`` stops them.
+        self.shutdown_timeout: float = 30.0
 
     def start(self) -> None:
-        for command in self._commands:
-            if os.path.exists(command.error_file):
-                os.remove(command.error_file)  # a stale file would pose as this attempt's error
-            self._workers.append(_Worker(command))
-        log.debug("started %s: pids %s", self.name, self.pids())
+        """Start the processes (once)."""
+        _install_signal_handlers()
+        self._start()
 
-    def pids(self) -> dict[int, int]:
-        return {w.command.local_rank: w.proc.pid for w in self._workers}
+    @abc.abstractmethod
+    def _start(self) -> None: ...
 
-    def wait(self, timeout: float = -1, period: float = 0.1) -> RunProcsResult | None:
-        """Poll until all workers succeeded or one failed; ``None`` if still running after ``timeout``.
+    @abc.abstractmethod
+    def _poll(self) -> RunProcsResult | None: ...
 
-        ``timeout < 0`` waits for ever; ``0`` polls once.
-        """
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Poll every ``period`` s until done; ``None`` if still running after ``timeout`` (< 0: for ever, 0: once)."""
+        if timeout == 0:
+            return self._poll()
         deadline = None if timeout < 0 else time.monotonic() + timeout
         while True:
             result = self._poll()
@@ -246,67 +156,160 @@ class SubprocessContext:
                 return None
             time.sleep(period)
 
+    @abc.abstractmethod
+    def pids(self) -> dict[int, int]:
+        """The pid of each local rank."""
+
+    @abc.abstractmethod
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None: ...
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
+        """Stop every process (and what it forked): ``death_sig`` (SIGTERM), then SIGKILL after ``timeout`` s."""
+        self._close(death_sig or signal.SIGTERM, timeout)
+
+
+class _ProcessesContext(PContext):
+    """What both kinds share: one :class:`SubprocessHandler` per local rank running :meth:`_argv`."""
+
+    def __init__(self, name: str, entrypoint: Callable | str, args: dict[int, tuple],
+                 envs: dict[int, dict[str, str]], logs_specs: LogsSpecs, log_line_prefixes: dict[int, str] | None,
+                 duplicate_stdout_filters: list[str] | None, duplicate_stderr_filters: list[str] | None) -> None:
+        super().__init__(name, entrypoint, args, envs, logs_specs, log_line_prefixes, duplicate_stdout_filters,
+                         duplicate_stderr_filters)
+        self.subprocess_handlers: dict[int, SubprocessHandler] = {}
+        self._closed = False
+
+    def _argv(self, local_rank: int) -> tuple[str, ...]:
+        return (str(self.entrypoint), *(str(a) for a in self.args[local_rank]))
+
+    def _start(self) -> None:
+        if self.subprocess_handlers:
+            raise ValueError("The subprocess handlers already initialized. Most likely the start method got "
+                             "called twice.")
+        for rank in range(self.nprocs):
+            if self.error_files.get(rank) and os.path.isfile(self.error_files[rank]):
+                os.remove(self.error_files[rank])  # a stale file would pose as this attempt's error
+            self.subprocess_handlers[rank] = SubprocessHandler(
+                rank, self._argv(rank), self.envs[rank], stdout=self.stdouts[rank], stderr=self.stderrs[rank],
+                tee_stdout=rank in self._dest.tee_stdouts, tee_stderr=rank in self._dest.tee_stderrs,
+                prefix=self._prefixes.get(rank, ""), duplicate=self._filters)
+        log.debug("started %s: pids %s", self.name, self.pids())
+
+    def pids(self) -> dict[int, int]:
+        return {rank: handler.proc.pid for rank, handler in self.subprocess_handlers.items()}
+
     def _poll(self) -> RunProcsResult | None:
         failures: dict[int, ProcessFailure] = {}
         running = 0
-        for worker in self._workers:
-            code = worker.proc.poll()
+        for rank, handler in self.subprocess_handlers.items():
+            code = handler.proc.poll()
             if code is None:
                 running += 1
             elif code != 0:
-                failures[worker.command.local_rank] = ProcessFailure(
-                    worker.command.local_rank, worker.proc.pid, code, worker.command.error_file
-                )
+                failures[rank] = ProcessFailure(rank, handler.proc.pid, code, self.error_files.get(rank, ""))
         if failures:
+            self.close(timeout=self.shutdown_timeout)  # the rest of the group stops with the failure (torch's)
             for rank, failure in failures.items():
-                log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s",
-                          failure.exitcode, rank, failure.pid, self._commands[rank].argv[0])
-            return RunProcsResult(failures=failures, **self._log_files())
+                log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of %s",
+                          failure.exitcode, rank, failure.pid, self._what())
+            return self._result(failures=failures)
         if running == 0:
             self._join_output()
-            return RunProcsResult(return_values={w.command.local_rank: None for w in self._workers},
-                                  **self._log_files())
+            return self._result(return_values=self._return_values())
         return None
 
-    def _log_files(self) -> dict[str, dict[int, str]]:
-        return {name: {w.command.local_rank: w.log_file(std) for w in self._workers}
-                for name, std in (("stdouts", Std.OUT), ("stderrs", Std.ERR))}
+    def _what(self) -> str:
+        return f"binary: {self.entrypoint}"
 
-    def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
-        """Stop every worker (and the processes it forked): ``death_sig``, then SIGKILL after ``timeout``."""
+    def _return_values(self) -> dict[int, Any]:
+        """A binary has no return value: ``None`` per rank (torch's placeholder)."""
+        return dict.fromkeys(range(self.nprocs))
+
+    def _result(self, **outcome: Any) -> RunProcsResult:
+        """The result with torch's log-file fields: the file of each redirected stream, else ""."""
+        files = {name: {rank: (path if path not in ("", os.devnull) else "") for rank, path in paths.items()}
+                 for name, paths in (("stdouts", self.stdouts), ("stderrs", self.stderrs))}
+        return RunProcsResult(**outcome, **files)
+
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
         if self._closed:
             return
         self._closed = True
-        alive = [w for w in self._workers if w.proc.poll() is None]
-        for worker in alive:
-            log.warning("Sending process %d closing signal %s", worker.proc.pid, signal.Signals(death_sig).name)
-        for worker in self._workers:
-            worker.signal_group(death_sig)  # exited workers too: their children may linger
+        alive = [h for h in self.subprocess_handlers.values() if h.proc.poll() is None]
+        for handler in alive:
+            log.warning("Sending process %d closing signal %s", handler.proc.pid, signal.Signals(death_sig).name)
+        for handler in self.subprocess_handlers.values():
+            handler.close(death_sig)
         deadline = time.monotonic() + timeout
-        for worker in alive:
+        for handler in alive:
             try:
-                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+                handler.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for worker in self._workers:
-            if worker.proc.poll() is None:
+        for handler in self.subprocess_handlers.values():
+            if handler.proc.poll() is None:
                 log.warning("Unable to shutdown process %d via %s, forcefully exiting via SIGKILL",
-                            worker.proc.pid, signal.Signals(death_sig).name)
-            worker.signal_group(signal.SIGKILL)
-            worker.proc.wait()
+                            handler.proc.pid, signal.Signals(death_sig).name)
+            handler.close(signal.SIGKILL)
+            handler.proc.wait()
         self._join_output()
 
     def _join_output(self) -> None:
-        for worker in self._workers:
-            worker.join_output(timeout=5.0)
+        for handler in self.subprocess_handlers.values():
+            handler.join_output(timeout=5.0)
 
 
-def start_processes(name: str, commands: list[WorkerCommand]) -> SubprocessContext:
-    """Start one process per command; the caller must ``close()`` the returned context."""
-    context = SubprocessContext(name, commands)
-    try:
-        context.start()
-    except BaseException:
-        context.close(signal.SIGKILL, 0)
-        raise
-    return context
+class SubprocessContext(_ProcessesContext):
+    """Workers started as ``entrypoint *args[local_rank]`` with ``envs[local_rank]`` over this environment."""
+
+    def __init__(self, name: str, entrypoint: str, args: dict[int, tuple], envs: dict[int, dict[str, str]],
+                 logs_specs: LogsSpecs, log_line_prefixes: dict[int, str] | None = None, numa_options: Any = None,
+                 duplicate_stdout_filters: list[str] | None = None,
+                 duplicate_stderr_filters: list[str] | None = None) -> None:
+        super().__init__(name, entrypoint, args, envs, logs_specs, log_line_prefixes, duplicate_stdout_filters,
+                         duplicate_stderr_filters)
+
+
+class MultiprocessContext(_ProcessesContext):
+    """Workers that each call ``entrypoint(*args[local_rank])``; the return values come back by local rank."""
+
+    def __init__(self, name: str, entrypoint: Callable, args: dict[int, tuple], envs: dict[int, dict[str, str]],
+                 start_method: str, logs_specs: LogsSpecs, log_line_prefixes: dict[int, str] | None = None,
+                 numa_options: Any = None, duplicate_stdout_filters: list[str] | None = None,
+                 duplicate_stderr_filters: list[str] | None = None) -> None:
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        super().__init__(name, entrypoint, args, envs, logs_specs, log_line_prefixes, duplicate_stdout_filters,
+                         duplicate_stderr_filters)
+        self.start_method = start_method
+        self._tmp = tempfile.mkdtemp(prefix="torchdist-function-")
+
+    def _start(self) -> None:
+        preparation = multiprocessing.spawn.get_preparation_data(self.name)
+        preparation.pop("authkey", None)  # multiprocessing's own connections' key: not ours to send
+        for rank in range(self.nprocs):
+            with open(self._call_file(rank), "wb") as f:
+                pickle.dump(preparation, f)
+                pickle.dump((self.entrypoint, tuple(self.args[rank])), f)
+        super()._start()
+
+    def _what(self) -> str:
+        return f"fn: {getattr(self.entrypoint, '__qualname__', self.entrypoint)} (start_method: {self.start_method})"
+
+    def _call_file(self, local_rank: int) -> str:
+        return os.path.join(self._tmp, f"call{local_rank}.pkl")
+
+    def _argv(self, local_rank: int) -> tuple[str, ...]:
+        return (sys.executable, "-u", "-m", "torchdist.elastic.function_worker", self._call_file(local_rank),
+                self._tmp, str(local_rank))
+
+    def _return_values(self) -> dict[int, Any]:
+        values = {}
+        for rank in range(self.nprocs):
+            with open(os.path.join(self._tmp, f"{rank}.pkl"), "rb") as f:
+                values[rank] = pickle.load(f)
+        return values
+
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
+        super()._close(death_sig, timeout)
+        shutil.rmtree(self._tmp, ignore_errors=True)

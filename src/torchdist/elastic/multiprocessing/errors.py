@@ -136,14 +136,19 @@ def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> F:
 
 @dataclass
 class ProcessFailure:
-    """One worker that exited non-zero: what the launcher's summary shows about it."""
+    """One worker that exited non-zero: what the launcher's summary shows about it.
+
+    As torch's, ``message`` is the error file's ``"message"`` entry (a dict with
+    ``extraInfo.py_callstack`` for ``@record``'s files), else a sentence; :meth:`text`
+    is the traceback text either way.
+    """
 
     local_rank: int
     pid: int
     exitcode: int
     error_file: str
     error_file_data: dict = field(init=False, default_factory=dict)
-    message: str = field(init=False, default="")
+    message: Any = field(init=False, default="")
     timestamp: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -153,11 +158,9 @@ class ProcessFailure:
                 with open(self.error_file) as fp:
                     self.error_file_data = json.load(fp)
                 record_ = self.error_file_data["message"]
-                if isinstance(record_, str):
-                    self.message = record_
-                else:
-                    self.message = record_["extraInfo"]["py_callstack"]
+                if not isinstance(record_, str):
                     self.timestamp = int(record_["extraInfo"]["timestamp"])
+                self.message = record_
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("cannot read the error file %s of local rank %d: %s", self.error_file, self.local_rank, exc)
                 self.error_file_data = {}
@@ -166,6 +169,12 @@ class ProcessFailure:
                 self.message = f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
             else:
                 self.message = _NO_TRACEBACK
+
+    def text(self) -> str:
+        """The traceback (or the sentence) of this failure, as the summary shows it."""
+        if isinstance(self.message, dict):
+            return str(self.message.get("extraInfo", {}).get("py_callstack", self.message.get("message", _NA)))
+        return str(self.message)
 
     def signal_name(self) -> str:
         if self.exitcode < 0:
@@ -184,7 +193,7 @@ class ProcessFailure:
     def to_dict(self) -> dict:
         """What another node needs to show this failure in its own summary."""
         return {"local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
-                "error_file": self.error_file if self.has_error_file() else "", "message": self.message,
+                "error_file": self.error_file if self.has_error_file() else "", "message": self.text(),
                 "timestamp": self.timestamp}
 
     @classmethod
@@ -244,7 +253,7 @@ class ChildFailedError(Exception):
         return "\n".join(parts)
 
     def _format_failure(self, idx: int, rank: int, failure: ProcessFailure) -> str:
-        message = failure.message.rstrip("\n").replace("\n", "\n  ")
+        message = failure.text().rstrip("\n").replace("\n", "\n  ")
         exit_signal = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
         return (
             f"[{idx}]:\n"

@@ -3,13 +3,12 @@
 Two backends ship, both rounds over a TCPStore that one agent hosts (see
 :mod:`.store_rendezvous`): ``c10d`` (dynamic: ``MIN:MAX`` nodes, joins and losses
 start a new round) and ``static`` (a fixed number of nodes with fixed ranks from
-``--node-rank``). ``get_rendezvous_handler(params)`` builds the handler for
-``params.backend``; ``register_rendezvous_handler`` adds a backend.
+``--node-rank``). ``rendezvous_handler_registry.create_handler(params)`` (or
+:func:`.registry.get_rendezvous_handler`) builds the handler for ``params.backend``;
+``rendezvous_handler_registry.register(name, creator)`` (or ``register_rendezvous_handler``) adds a backend.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from .api import (
     NodeDesc,
@@ -18,10 +17,13 @@ from .api import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousHandler,
+    RendezvousHandlerCreator,
+    RendezvousHandlerRegistry,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousSettings,
     RendezvousStateError,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
@@ -34,10 +36,13 @@ __all__ = [
     "RendezvousError",
     "RendezvousGracefulExitError",
     "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
     "RendezvousInfo",
     "RendezvousParameters",
     "RendezvousSettings",
     "RendezvousStateError",
+    "RendezvousStoreInfo",
     "RendezvousTimeoutError",
     "StoreRendezvousHandler",
     "get_rendezvous_handler",
@@ -92,21 +97,16 @@ def _create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
     )
 
 
-def register_rendezvous_handler(backend: str, creator: Callable[[RendezvousParameters], RendezvousHandler]) -> None:
-    """Add a backend; registering a name twice is an error."""
+def register_rendezvous_handler(backend: str, creator: RendezvousHandlerCreator) -> None:
+    """Add a backend to ``rendezvous_handler_registry``; registering a name twice is an error."""
     if backend in rendezvous_handler_registry:
         raise ValueError(f"The rendezvous backend '{backend}' cannot be registered twice.")
-    rendezvous_handler_registry[backend] = creator
+    rendezvous_handler_registry.register(backend, creator)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
-    creator = rendezvous_handler_registry.get(params.backend)
-    if creator is None:
-        raise ValueError(
-            f"The rendezvous backend '{params.backend}' is not registered. Did you forget to call "
-            f"`register_rendezvous_handler`? Known backends: {sorted(rendezvous_handler_registry)}"
-        )
-    return creator(params)
+    """A new handler of ``params.backend`` (torch's ``rendezvous.registry.get_rendezvous_handler``)."""
+    return rendezvous_handler_registry.create_handler(params)
 
 
 register_rendezvous_handler("c10d", _create_c10d_handler)

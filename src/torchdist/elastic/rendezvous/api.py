@@ -22,9 +22,10 @@ same parsed once into typed, validated values.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+import socket
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from ..._store.base import Store
 
@@ -40,6 +41,9 @@ __all__ = [
     "NodeDesc",
     "RendezvousInfo",
     "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousStoreInfo",
     "rendezvous_handler_registry",
 ]
 
@@ -72,28 +76,31 @@ _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
 
 
-@dataclass
 class RendezvousParameters:
-    """torchrun's rendezvous description; ``config`` holds the ``--rdzv-conf`` pairs."""
+    """torchrun's rendezvous description; ``config`` holds the ``--rdzv-conf`` pairs.
 
-    backend: str
-    endpoint: str
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    local_addr: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
+    As torch's, extra keyword arguments are configuration too:
+    ``RendezvousParameters("c10d", "host:29400", "job", 1, 2, join_timeout="60")``.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.backend:
+    def __init__(self, backend: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
+                 local_addr: str | None = None, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not backend:
             raise ValueError("The rendezvous backend name must be a non-empty string.")
-        if self.min_nodes < 1:
-            raise ValueError(f"The minimum number of rendezvous nodes ({self.min_nodes}) must be greater than zero.")
-        if self.max_nodes < self.min_nodes:
+        if min_nodes < 1:
+            raise ValueError(f"The minimum number of rendezvous nodes ({min_nodes}) must be greater than zero.")
+        if max_nodes < min_nodes:
             raise ValueError(
-                f"The maximum number of rendezvous nodes ({self.max_nodes}) must be greater than or equal to "
-                f"the minimum number of rendezvous nodes ({self.min_nodes})."
+                f"The maximum number of rendezvous nodes ({max_nodes}) must be greater than or equal to "
+                f"the minimum number of rendezvous nodes ({min_nodes})."
             )
+        self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
+        self.min_nodes, self.max_nodes, self.local_addr = min_nodes, max_nodes, local_addr
+        self.config: dict[str, Any] = {**(config or {}), **kwargs}
+
+    def __repr__(self) -> str:
+        return (f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, run_id={self.run_id!r}, "
+                f"min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, local_addr={self.local_addr!r})")
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
@@ -193,32 +200,104 @@ class NodeDesc:
 
 
 @dataclass(frozen=True)
-class RendezvousInfo:
-    """A formed round, as one node sees it."""
+class RendezvousStoreInfo:
+    """Where the workers' store (the agent store) is: ``MASTER_ADDR`` and ``MASTER_PORT``."""
 
-    store: Store  # the store the workers share (the agent store)
-    round: int
-    group_rank: int  # this node's place in ``participants``
-    participants: tuple[NodeDesc, ...]
-    master_addr: str  # where workers reach ``store``
+    MASTER_ADDR_KEY: ClassVar[str] = "MASTER_ADDR"
+    MASTER_PORT_KEY: ClassVar[str] = "MASTER_PORT"
+    master_addr: str
     master_port: int
 
+    @staticmethod
+    def build(rank: int, store: Store, local_addr: str | None, server_port: int | None = None
+              ) -> "RendezvousStoreInfo":
+        """Rank 0 publishes its address (and ``server_port``, else a free port) in ``store``; every rank reads it."""
+        if rank == 0:
+            port = server_port or _free_port()
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, (local_addr or socket.getfqdn()).encode())
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())
+        addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        return RendezvousStoreInfo(addr, int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class RendezvousInfo:
+    """A formed round, as one node sees it (torch's fields, plus the round's participants).
+
+    ``rank`` is this node's group rank and ``world_size`` the number of nodes (torch's
+    meaning); ``participants`` (torchdist's backends fill it) give each node's number of
+    workers, from which :attr:`rank_offset` and :attr:`num_workers` follow.
+    """
+
+    def __init__(self, store: Store, rank: int, world_size: int,
+                 bootstrap_store_info: RendezvousStoreInfo | None = None, *, round: int = 0,
+                 participants: tuple[NodeDesc, ...] = ()) -> None:
+        if participants and len(participants) != world_size:
+            raise ValueError(f"RendezvousInfo: {len(participants)} participants for world_size {world_size}")
+        self._store, self._rank, self._world_size = store, rank, world_size
+        self._bootstrap_store_info = bootstrap_store_info
+        self.round = round
+        self.participants = tuple(participants)
+
     @property
-    def group_world_size(self) -> int:
-        return len(self.participants)
+    def store(self) -> Store:
+        """The store the workers share (the agent store)."""
+        return self._store
+
+    @property
+    def rank(self) -> int:
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return sum(node.local_world_size for node in self.participants)
+        return self._world_size
 
     @property
-    def rank_offset(self) -> int:
-        """The global rank of this node's local rank 0."""
-        return sum(node.local_world_size for node in self.participants[: self.group_rank])
+    def bootstrap_store_info(self) -> RendezvousStoreInfo | None:
+        return self._bootstrap_store_info
+
+    # -- torchdist's names -----------------------------------------------------------
+    @property
+    def group_rank(self) -> int:
+        return self._rank
+
+    @property
+    def group_world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def master_addr(self) -> str:
+        return self._bootstrap_store_info.master_addr if self._bootstrap_store_info else ""
+
+    @property
+    def master_port(self) -> int:
+        return self._bootstrap_store_info.master_port if self._bootstrap_store_info else 0
+
+    def rank_offset(self, local_world_size: int) -> int:
+        """The global rank of this node's local rank 0 (every node runs ``local_world_size`` without participants)."""
+        if not self.participants:
+            return self._rank * local_world_size
+        return sum(node.local_world_size for node in self.participants[: self._rank])
+
+    def num_workers(self, local_world_size: int) -> int:
+        """Workers in the whole round (``world_size * local_world_size`` without participants)."""
+        if not self.participants:
+            return self._world_size * local_world_size
+        return sum(node.local_world_size for node in self.participants)
 
 
 class RendezvousHandler(abc.ABC):
-    """What the agent needs from a rendezvous backend (torch's interface, plus the coordination calls)."""
+    """What the agent needs from a rendezvous backend: torch's interface, plus coordination calls.
+
+    The coordination calls (lost nodes, restart requests, failure reports, the exit
+    barrier) have do-nothing defaults, so a handler written for torch's interface only
+    (``next_rendezvous()`` with no argument included) works under the agent too.
+    """
 
     @abc.abstractmethod
     def get_backend(self) -> str: ...
@@ -228,35 +307,38 @@ class RendezvousHandler(abc.ABC):
 
     @abc.abstractmethod
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
-        """Join the next round and block until it forms; raises a :class:`RendezvousError`."""
+        """Join the next round with this node's ``local_world_size`` workers; block until it forms.
 
-    @abc.abstractmethod
+        Raises a :class:`RendezvousError`. (torch's takes no argument; the agent accepts both.)
+        """
+
     def num_nodes_waiting(self) -> int:
         """Nodes that arrived after the current round formed and could still join (room below max)."""
+        return 0
 
-    @abc.abstractmethod
     def lost_nodes(self) -> list[str]:
         """Participants of the current round that left or stopped sending heartbeats."""
+        return []
 
-    @abc.abstractmethod
     def request_restart(self, reason: str) -> None:
         """Ask every node of the current round to stop its workers and form a new round."""
+        return None
 
-    @abc.abstractmethod
     def restart_request(self) -> dict | None:
         """The restart some node asked for in the current round, if any: ``{"reason", "node"}``."""
+        return None
 
-    @abc.abstractmethod
     def report_failure(self, summary: dict) -> None:
         """Tell the other nodes that the job failed for good (``summary`` names the root cause)."""
+        return None
 
-    @abc.abstractmethod
     def job_failure(self) -> dict | None:
         """The failure some node reported, if any."""
+        return None
 
-    @abc.abstractmethod
-    def exit_barrier(self) -> None:
+    def exit_barrier(self, timeout: float | None = None) -> None:
         """This node's workers succeeded: wait for the other nodes, then close the rendezvous."""
+        return None
 
     @abc.abstractmethod
     def is_closed(self) -> bool: ...
@@ -278,5 +360,45 @@ class RendezvousHandler(abc.ABC):
         return 2**31 - 1
 
 
-#: Backend name -> factory taking :class:`RendezvousParameters`; see ``rendezvous/__init__.py``.
-rendezvous_handler_registry: dict[str, Callable[[RendezvousParameters], RendezvousHandler]] = {}
+RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+
+class RendezvousHandlerRegistry:
+    """Backend name -> the function that creates its handler from :class:`RendezvousParameters`."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, RendezvousHandlerCreator] = {}
+
+    def register(self, backend: str, creator: RendezvousHandlerCreator) -> None:
+        """Add ``backend``; registering it again with another creator is an error."""
+        if not backend:
+            raise ValueError("The rendezvous backend name must be a non-empty string.")
+        current = self._registry.get(backend)
+        if current is not None and current is not creator:
+            raise ValueError(f"The rendezvous backend '{backend}' cannot be registered with '{creator}' as it is "
+                             f"already registered with '{current}'.")
+        self._registry[backend] = creator
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """A new handler of ``params.backend``; ValueError naming the known backends if it is not registered."""
+        creator = self._registry.get(params.backend)
+        if creator is None:
+            raise ValueError(
+                f"The rendezvous backend '{params.backend}' is not registered. Did you forget to call "
+                f"`register`? Known backends: {sorted(self._registry)}"
+            )
+        handler = creator(params)
+        if handler.get_backend() != params.backend:
+            raise RuntimeError(f"The rendezvous backend '{handler.get_backend()}' does not match the requested "
+                               f"backend '{params.backend}'.")
+        return handler
+
+    def __contains__(self, backend: object) -> bool:
+        return backend in self._registry
+
+    def backends(self) -> list[str]:
+        return sorted(self._registry)
+
+
+#: The process's registry; ``rendezvous/__init__.py`` registers ``c10d`` and ``static``.
+rendezvous_handler_registry = RendezvousHandlerRegistry()

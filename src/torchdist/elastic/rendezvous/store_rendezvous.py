@@ -55,6 +55,7 @@ from typing import Iterator
 
 from ..._store.tcp_store import TCPStore
 from ...errors import DistError
+from ..events import NodeState, construct_and_record_rdzv_event
 from .api import (
     NodeDesc,
     RendezvousClosedError,
@@ -63,6 +64,7 @@ from .api import (
     RendezvousInfo,
     RendezvousSettings,
     RendezvousStateError,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
@@ -185,6 +187,7 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
         deadline = time.monotonic() + self._settings.join_timeout
+        self._record(f"joining the next round with {local_world_size} workers", NodeState.INIT)
         with _store_errors("forming a round", self._where):
             self._start_heartbeat()
             while True:
@@ -232,8 +235,15 @@ class StoreRendezvousHandler(RendezvousHandler):
         else:
             store.wait([key("ready")], max(1.0, deadline - time.monotonic()))
         log.info("round %d formed: %d nodes, this node is group rank %d", r, count, group_rank)
-        return RendezvousInfo(store=store, round=r, group_rank=group_rank, participants=tuple(nodes),
-                              master_addr=self.endpoint[0], master_port=self.endpoint[1])
+        self._record(f"round {r} formed with {count} nodes", NodeState.RUNNING, rank=group_rank)
+        return RendezvousInfo(store, group_rank, len(nodes), RendezvousStoreInfo(*self.endpoint), round=r,
+                              participants=tuple(nodes))
+
+    def _record(self, message: str, state: NodeState, rank: int | None = None) -> None:
+        """A rendezvous event (free unless a program routes ``dynamic_rendezvous`` events somewhere)."""
+        construct_and_record_rdzv_event(run_id=self._run_id, message=message, node_state=state,
+                                        hostname=self._host_addr, master_endpoint=f"{self.endpoint[0]}:"
+                                        f"{self.endpoint[1]}", rank=rank)
 
     def _await_closed(self, r: int, deadline: float) -> int:
         closed, joined = self._k(f"r{r}", "closed"), self._k(f"r{r}", "joined")
