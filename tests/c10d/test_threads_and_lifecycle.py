@@ -254,16 +254,19 @@ def test_exit_waits_for_a_future_callback_still_running(backend: str) -> None:
 
 
 def _interrupted(rank: int, world: int):
-    """Rank 1 gets Ctrl-C (SIGINT) while it waits in an all-reduce that rank 0 joins late."""
+    """Rank 1 gets Ctrl-C (SIGINT) while it waits in an all-reduce that rank 0 joins only once rank 1
+    was interrupted (a store key; a fixed delay let a loaded machine finish the op before the signal)."""
+    store = dist.distributed_c10d._get_default_store()
     dist.barrier()
     if rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     else:
-        time.sleep(1.0)
+        store.wait(["interrupted"], timedelta(seconds=30))
     try:
         for _ in range(2):
             dist.all_reduce(torch.ones(4))
     except KeyboardInterrupt:
+        store.set("interrupted", "1")
         return "KeyboardInterrupt"
     except RuntimeError as exc:
         return str(exc)
