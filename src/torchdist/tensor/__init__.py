@@ -4,9 +4,10 @@ Modules: ``_placements`` (Shard, Replicate, Partial), ``_spec`` (layout and
 shape arithmetic), ``_redistribute`` (placement changes as collectives),
 ``_api`` (the DTensor class and its differentiable conversions),
 ``_dispatch`` with ``_ops/`` (sharding propagation of aten ops) and ``_special``
-(ops answered directly), ``_distribute`` and ``_factories`` (ways to make
-DTensors); ``_utils`` and ``placement_types`` keep PyTorch's module paths;
-``experimental`` holds ``implicit_replication``.
+(ops answered directly), ``_strided`` (ops on FSDP + TP's ``_StridedShard``
+layouts), ``_distribute`` and ``_factories`` (ways to make DTensors); ``_utils``
+and ``placement_types`` keep PyTorch's module paths; ``experimental`` holds
+``implicit_replication``, ``local_map`` and ``register_sharding``.
 See docs/design/dtensor.md.
 """
 

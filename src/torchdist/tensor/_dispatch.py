@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._api import DTensor
 from ._ops import RULES, OpCall, Plan
 from ._ops._pointwise import foreach_rule, is_pointwise, is_pointwise_foreach, pointwise_rule
-from ._ops._registry import replicate_all
+from ._ops._registry import CUSTOM_RULES, replicate_all
 from ._special import SPECIAL
 from ._placements import Replicate, Shard
 from ._redistribute import redistribute_local_tensor
@@ -90,7 +90,7 @@ def _replicate_plain_tensors(leaves: list) -> list:
 
 
 def _rule_for(func):
-    rule = RULES.get(func)
+    rule = CUSTOM_RULES.get(func) or RULES.get(func)
     if rule is not None:
         return rule
     if func._schema.name.startswith("aten::_foreach_"):
@@ -145,7 +145,7 @@ def _global_metas(func, mesh, leaves, spec_tree, outputs: list[torch.Tensor], pl
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """DTensor's ``__torch_dispatch__``: an op answered specially, or run through its rule (or the fallback)."""
     special = SPECIAL.get(func)
-    if special is not None:
+    if special is not None and func not in CUSTOM_RULES:  # a user's register_sharding wins over everything
         return special(func, args, kwargs)
     return run_with_rule_or_fallback(func, args, kwargs)
 

@@ -23,7 +23,7 @@ import torch
 from .._placements import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
 
-__all__ = ["RULES", "register", "OpCall", "Plan", "DimRule", "choose", "redistribute_cost"]
+__all__ = ["RULES", "CUSTOM_RULES", "register", "OpCall", "Plan", "DimRule", "choose", "redistribute_cost"]
 
 
 @dataclass
@@ -66,6 +66,9 @@ class DimRule:
 
 
 RULES: dict[Any, Callable[[OpCall], Plan]] = {}
+#: Rules from ``experimental.register_sharding`` (per OpOverload): the dispatcher asks them before RULES and the
+#: specially answered ops, and registering never touches RULES, so a built-in rule stays for other ops.
+CUSTOM_RULES: dict[Any, Callable[[OpCall], Plan]] = {}
 
 
 def register(*ops: Any) -> Callable:
