@@ -1,9 +1,11 @@
 """``torchdist.checkpoint``: PyTorch's distributed checkpoint (DCP) -- save and load sharded state in parallel.
 
 Re-exports only. See docs/design/checkpoint.md for the file layout and the
-plan/exchange steps; ``state_dict`` and ``format_utils`` are submodules, as in
-PyTorch.
+plan/exchange steps; ``state_dict``, ``format_utils`` and ``staging`` are
+submodules, as in PyTorch (which, like this package, imports ``staging`` here).
 """
+
+from . import staging
 
 from .api import CheckpointException
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -22,4 +24,5 @@ __all__ = [
     "DefaultLoadPlanner", "DefaultSavePlanner", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner",
     "WriteItem",
     "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "TensorStorageMetadata",
+    "staging",
 ]

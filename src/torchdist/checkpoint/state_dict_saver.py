@@ -4,7 +4,9 @@ Steps (``_exchange.py`` runs them): "plan" -- each rank's planner proposes
 its items and the writer readies its directory; the coordinator deduplicates,
 builds the metadata and names each rank's files; each rank gets its plan back.
 "write" -- each rank writes its items; the coordinator, once all succeeded,
-writes ``.metadata`` and every rank returns it.
+writes ``.metadata`` and every rank returns it. ``async_save`` first stages
+the state_dict (``staging.py``: CPU copies) and runs these steps on the copy
+in a background thread.
 """
 
 from __future__ import annotations
@@ -13,24 +15,21 @@ import inspect
 import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import torch
-
 from .._c10d.init import get_rank
-from ..tensor import DTensor
-from ._chunks import LocalShards, tensor_view
 from ._exchange import Exchange
 from ._storage_utils import resolve_no_dist, storage_setup
-from ._traverse import flatten_state_dict, unflatten_state_dict
 from .default_planner import DefaultSavePlanner
 from .metadata import Metadata
 from .planner import SavePlan, SavePlanner
+from .staging import AsyncStager, DefaultStager, StagingOptions
 from .stateful import Stateful
 from .storage import StorageWriter
 
-__all__ = ["save", "async_save", "save_state_dict", "AsyncCheckpointerType"]
+__all__ = ["save", "async_save", "save_state_dict", "AsyncCheckpointerType", "AsyncSaveResponse"]
 
 
 class AsyncCheckpointerType(Enum):
@@ -109,31 +108,50 @@ def _save_state_dict(state_dict: dict[str, Any], storage_writer: StorageWriter, 
     return exchange.all_reduce("write", write_step, finish_step)
 
 
-def _staged(value: Any) -> Any:
-    """A copy of a tensor's held chunks in CPU memory that later training steps cannot change."""
-    if isinstance(value, DTensor) or isinstance(value, LocalShards):
-        view = tensor_view(value)
-        return LocalShards(view.size, [(c.offsets, c.tensor.detach().to("cpu", copy=True)) for c in view.chunks])
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return value
+@dataclass
+class AsyncSaveResponse:
+    """What ``async_save`` returns when the stager stages in the background: one future per phase."""
+
+    staging_completion: Future[None]  # done once the copy is made: the caller may change its tensors
+    upload_completion: Future[Metadata]  # done once the checkpoint is written
 
 
-def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:
-    flat, mapping = flatten_state_dict(state_dict)
-    return unflatten_state_dict({key: _staged(value) for key, value in flat.items()}, mapping)
+def _save_staged(staged: Future[dict[str, Any]] | dict[str, Any], writer: StorageWriter, process_group: Any,
+                 no_dist: bool, planner: SavePlanner | None, use_collectives: bool) -> Metadata:
+    """The background save: wait for the staged copy if it is still being made, then save it."""
+    state_dict = staged.result() if isinstance(staged, Future) else staged
+    return _save_state_dict(state_dict, writer, process_group, no_dist=no_dist, planner=planner,
+                            use_collectives=use_collectives)
+
+
+def _staging_done(staging: Future[dict[str, Any]]) -> Future[None]:
+    """A future that ends as ``staging`` does, without its value (PyTorch's ``staging_completion``)."""
+    done: Future[None] = Future()
+
+    def forward(finished: Future[dict[str, Any]]) -> None:
+        error = finished.exception()
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    staging.add_done_callback(forward)  # runs at once if staging is already done
+    return done
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
                process_group: Any = None, async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
-               async_stager: Any = None, no_dist: bool = False, use_collectives: bool = True) -> Future:
-    """Copy the tensors to CPU now, then save in a background thread; the Future's result is the Metadata.
+               async_stager: AsyncStager | None = None, no_dist: bool = False,
+               use_collectives: bool = True) -> Future | AsyncSaveResponse:
+    """Stage the state_dict (CPU copies), then save the copy in a background thread.
 
-    The background thread runs the save's collectives on ``process_group``: as
-    with PyTorch, wait for the future before this rank issues other
-    collectives on that group, or give the save a group of its own
-    (``torchdist.new_group()``).
+    Returns the save's Future (its result is the Metadata), or, when the stager stages in the background
+    (``DefaultStager`` with ``use_async_staging``), an ``AsyncSaveResponse`` with a future for each phase.
+    Without ``async_stager``, a ``storage_writer`` that is an ``AsyncStager`` stages, else a synchronous
+    ``DefaultStager``. The caller keeps and closes a stager it passes. The background thread runs the save's
+    collectives on ``process_group``: as with PyTorch, wait for the future before this rank issues other
+    collectives on that group, or give the save a group of its own (``torchdist.new_group()``).
     """
     if async_checkpointer_type == AsyncCheckpointerType.PROCESS:
         # PyTorch hands the staged copy to a writer process with a process group of its own; the files and the
@@ -142,10 +160,22 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
                       "as THREAD (the same files and result)", stacklevel=2)
     no_dist = resolve_no_dist(no_dist, "save")
     writer = storage_setup(storage_writer, checkpoint_id, reader=False)
-    state_dict = _stateful_to_state_dict(state_dict)
-    staged = async_stager.stage(state_dict) if async_stager is not None else _stage(state_dict)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-async-save")
-    future = executor.submit(_save_state_dict, staged, writer, process_group, no_dist=no_dist, planner=planner,
-                             use_collectives=use_collectives)
-    future.add_done_callback(lambda _: executor.shutdown(wait=False))
-    return future
+    owned = None
+    if async_stager is None:
+        if storage_writer is not None and isinstance(storage_writer, AsyncStager):
+            async_stager = storage_writer  # PyTorch's older writers stage themselves
+        else:
+            async_stager = owned = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+    finally:
+        if owned is not None:
+            owned.close()  # synchronous: nothing is left to wait for
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="AsyncCheckpointExecutor")
+    upload = executor.submit(_save_staged, staged, writer, process_group, no_dist, planner, use_collectives)
+    upload.add_done_callback(lambda _: executor.shutdown(wait=False))
+    if isinstance(staged, Future):
+        return AsyncSaveResponse(staging_completion=_staging_done(staged), upload_completion=upload)
+    if async_stager.should_synchronize_after_execute:
+        async_stager.synchronize_staging()
+    return upload
