@@ -343,6 +343,9 @@ def _stager_facts(lib: str) -> dict:
     facts["deprecated"] = [w.category.__name__ for w in caught]
     if not torch.accelerator.is_available():
         facts["default_options"] = outcome(st.DefaultStager)
+    writer = importlib.import_module(f"{lib}.checkpoint").FileSystemWriter(".", cache_staged_state_dict=True)
+    facts["writer"] = (isinstance(writer, st.AsyncStager), isinstance(writer, st.BlockingAsyncStager),
+                       writer.cache_staged_state_dict, writer.should_synchronize_after_execute)
     return facts
 
 

@@ -29,6 +29,7 @@ from ._chunks import narrow
 from ._pickling import dump_metadata, load_metadata, register_torch_name
 from .metadata import Metadata, MetadataIndex, StorageMeta
 from .planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
+from .staging import BlockingAsyncStager
 from .storage import StorageReader, StorageWriter, WriteResult
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
@@ -91,8 +92,9 @@ def _split(items: list[WriteItem], buckets: int) -> list[list[WriteItem]]:
     return [bucket for bucket in out if bucket]
 
 
-class FileSystemWriter(StorageWriter):
-    """Writes a checkpoint into the directory ``path`` (created if needed)."""
+class FileSystemWriter(StorageWriter, BlockingAsyncStager):
+    """Writes a checkpoint into the directory ``path`` (created if needed). As PyTorch's, it is also the stager
+    ``async_save`` uses by default: a blocking copy to CPU (kept between saves with ``cache_staged_state_dict``)."""
 
     def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
                  thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
@@ -107,7 +109,7 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
-        self.cache_staged_state_dict = cache_staged_state_dict
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.overwrite = overwrite
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
