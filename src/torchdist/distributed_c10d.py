@@ -32,6 +32,7 @@ from ._process_group.options import (AllreduceCoalescedOptions, AllreduceOptions
                                      BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions,
                                      ScatterOptions)
 from ._c10d.process_group_ops import ProcessGroup
+from ._process_group.profiling import record_comm
 from ._process_group.reduce_op import ReduceOp, reduce_op, supports_complex
 from ._process_group.registry import (Backend, BackendConfig, get_default_backend_for_device, is_backend_available,
                                       is_gloo_available, is_mpi_available, is_nccl_available, is_ucc_available,
@@ -48,7 +49,7 @@ __all__ = [
     "is_xccl_available", "get_default_backend_for_device", "GroupMember", "group", "default_pg_timeout",
     "init_process_group", "destroy_process_group", "is_initialized", "is_torchelastic_launched",
     "get_rank", "get_world_size", "get_backend", "get_backend_config", "get_node_local_rank", "DebugLevel",
-    "get_debug_level", "breakpoint",
+    "get_debug_level", "breakpoint", "record_comm",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
     "get_global_rank", "get_group_rank", "get_pg_count", "get_process_group_ranks",
     # the options of ProcessGroup's op methods (AllgatherOptions is here, not in torch.distributed, as in PyTorch)

@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.autograd import profiler as torch_profiler
 
 from ...errors import DistBackendError
 from ..._algorithms import shm_direct
@@ -30,6 +31,7 @@ from ..._transport.framing import OpFingerprint, OpKind
 from ..._transport.base import Transport
 from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
+from .. import profiling
 from ..reduce_op import ReduceOp, reduction_key
 from ..work import Work
 from .tcp import WAKE_BYTES, TcpBackend, memo
@@ -156,7 +158,15 @@ class ShmBackend(TcpBackend):
             seq = self.seq
             self.seq = seq + 1
             try:
-                run(Comm(self._transport, seq, fingerprint, time.monotonic() + limit, self._scratch), *args)
+                comm = Comm(self._transport, seq, fingerprint, time.monotonic() + limit, self._scratch)
+                if torch_profiler._is_profiler_enabled:  # (read here: this is the small ops' hot path)
+                    span = profiling.open_span(self.name, op_name)
+                    try:
+                        run(comm, *args)
+                    finally:
+                        span.close()
+                else:
+                    run(comm, *args)
             except BaseException as exc:  # noqa: BLE001 - becomes the Work's error below
                 error = exc
             finally:

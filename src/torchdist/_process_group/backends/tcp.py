@@ -53,6 +53,7 @@ from ..._transport.engine import Engine, EngineOp
 from ..._transport.framing import MsgKind, OpFingerprint, OpKind
 from ..._transport.mesh import connect_mesh
 from ..._transport.tcp import TcpTransport
+from .. import profiling
 from ..backend import ProcessGroupBackend
 from ..reduce_op import ReduceOp, RedOpType, as_red_op, reduction_key
 from ..work import Work
@@ -168,6 +169,7 @@ class TcpBackend(ProcessGroupBackend):
                 f"{self._label}: {self._me()} cannot run {op_name}: the group is broken by an earlier "
                 f"error ({self._broken}). Destroy it and create a new one.") from self._broken
         work = _OpWork(self, op_name, outputs)
+        span = profiling.open_span(self.name, op_name)
 
         def execute() -> None:
             try:
@@ -177,6 +179,9 @@ class TcpBackend(ProcessGroupBackend):
             else:
                 if work._transfer is None:
                     work._complete()
+            finally:
+                if span is not None:
+                    span.close()
 
         with self._issue:
             seq = self.seq
