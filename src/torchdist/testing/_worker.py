@@ -25,7 +25,10 @@ into a clean, fresh-looking rank and reports exactly one result:
    numpy's if the fork server imported ``numpy.random``, are reseeded from OS
    entropy, as in a freshly started interpreter (``random`` is reseeded by
    CPython at fork). Without this every rank, in every call, would draw the
-   same "random" numbers.
+   same "random" numbers. Ctrl-C (SIGINT) raises ``KeyboardInterrupt``, as in
+   an interpreter started from a terminal, even when the test process was
+   started with SIGINT ignored (a background job of a non-interactive shell:
+   the fork server, and every rank, would inherit that).
 6. Optionally ``init_process_group`` (torchdist is imported only then), call
    ``fn(rank, world_size, *args, **kwargs)``, ``destroy_process_group``.
 7. Send one report over the result pipe, pickled with plain :mod:`pickle`:
@@ -227,7 +230,8 @@ def _arm_stack_dumps(path: str) -> None:
 
 
 def _reset_inherited_state(spec: WorkerSpec) -> None:
-    """Environment, random generators, threads and logging, as for a fresh process."""
+    """Environment, random generators, threads, SIGINT and logging, as for a fresh process."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     old_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ.clear()
     os.environ.update(spec.environ)
