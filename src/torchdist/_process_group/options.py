@@ -117,9 +117,11 @@ def _op() -> _Field:
 
 
 class _Options:
-    """Base: no constructor arguments, no fields beyond the class's own."""
+    """Base: no constructor arguments, no fields beyond the class's own; every op has a timeout and asyncOp."""
 
-    __slots__ = ()
+    __slots__ = ("_timeout", "_asyncOp")
+    timeout = _timeout()
+    asyncOp = _async()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
@@ -131,72 +133,52 @@ class _Options:
 
 
 class AllreduceOptions(_Options):
-    __slots__ = ("_reduceOp", "_timeout", "_asyncOp")
+    __slots__ = ("_reduceOp",)
     reduceOp = _op()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class AllreduceCoalescedOptions(_Options):
-    __slots__ = ("_reduceOp", "_timeout", "_asyncOp")
+    __slots__ = ("_reduceOp",)
     reduceOp = _op()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class ReduceOptions(_Options):
-    __slots__ = ("_reduceOp", "_rootRank", "_rootTensor", "_timeout", "_asyncOp")
+    __slots__ = ("_reduceOp", "_rootRank", "_rootTensor")
     reduceOp = _op()
     rootRank = _root()
     rootTensor = _root()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class BroadcastOptions(_Options):
-    __slots__ = ("_rootRank", "_rootTensor", "_timeout", "_asyncOp")
+    __slots__ = ("_rootRank", "_rootTensor")
     rootRank = _root()
     rootTensor = _root()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class AllgatherOptions(_Options):
-    __slots__ = ("_timeout", "_asyncOp")
-    timeout = _timeout()
-    asyncOp = _async()
+    __slots__ = ()
 
 
 class GatherOptions(_Options):
-    __slots__ = ("_rootRank", "_timeout", "_asyncOp")
+    __slots__ = ("_rootRank",)
     rootRank = _root()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class ScatterOptions(_Options):
-    __slots__ = ("_rootRank", "_timeout", "_asyncOp")
+    __slots__ = ("_rootRank",)
     rootRank = _root()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class ReduceScatterOptions(_Options):
-    __slots__ = ("_reduceOp", "_timeout", "_asyncOp")
+    __slots__ = ("_reduceOp",)
     reduceOp = _op()
-    timeout = _timeout()
-    asyncOp = _async()
 
 
 class AllToAllOptions(_Options):
-    __slots__ = ("_timeout", "_asyncOp")
-    timeout = _timeout()
-    asyncOp = _async()
+    __slots__ = ()
 
 
 class BarrierOptions(_Options):
-    __slots__ = ("_device_ids", "_device", "_timeout", "_asyncOp")
+    __slots__ = ("_device_ids", "_device")
     device_ids = _Field(_int_list, list)
     device = _Field(_device, lambda: None)
-    timeout = _timeout()
-    asyncOp = _async()
