@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import torch
@@ -71,3 +72,14 @@ def outcome(fn, *args, **kwargs):
         if failures is not None:
             return type(exc).__name__, {r: (type(e).__name__, str(e)) for r, (e, _) in failures.items()}
         return type(exc).__name__, str(exc)
+
+
+def lib_modules(lib: str, *names: str) -> tuple:
+    """The modules ``<lib>.<name>`` for ``names`` (``lib``: "torch" or "torchdist", as torch.distributed's
+    counterpart), then the c10d module; PyTorch's process group is made here (gloo)."""
+    warnings.simplefilter("ignore")
+    prefix = "torch.distributed" if lib == "torch" else "torchdist"
+    c10d = importlib.import_module(prefix)
+    if lib == "torch":
+        c10d.init_process_group("gloo")
+    return (*(importlib.import_module(f"{prefix}.{name}") for name in names), c10d)

@@ -9,16 +9,16 @@ model with DTensor parameters goes through full_state_dict get/set.
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from torchdist.testing import run_ranks
+
+from ._common import lib_modules
 
 pytest.importorskip("torchdist.tensor")
 
@@ -28,13 +28,7 @@ REPLICATED = torch.linspace(-1, 1, 6)
 
 def _libs(lib: str):
     """(checkpoint, state_dict, tensor, device_mesh, c10d) modules of ``lib``."""
-    warnings.simplefilter("ignore")
-    prefix = "torch.distributed" if lib == "torch" else "torchdist"
-    c10d = importlib.import_module(prefix)
-    if lib == "torch":
-        c10d.init_process_group("gloo")
-    return (importlib.import_module(f"{prefix}.checkpoint"), importlib.import_module(f"{prefix}.checkpoint.state_dict"),
-            importlib.import_module(f"{prefix}.tensor"), importlib.import_module(f"{prefix}.device_mesh"), c10d)
+    return lib_modules(lib, "checkpoint", "checkpoint.state_dict", "tensor", "device_mesh")
 
 
 def _chunks(metadata, key):

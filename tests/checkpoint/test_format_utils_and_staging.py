@@ -24,7 +24,7 @@ import torchdist.checkpoint as dcp
 from torchdist.checkpoint import format_utils, staging
 from torchdist.testing import run_ranks
 
-from ._common import assert_same, outcome, quiet
+from ._common import assert_same, lib_modules, outcome, quiet
 
 FULL = torch.arange(35.0).reshape(7, 5)
 VEC = torch.linspace(-1.0, 1.0, 6)
@@ -39,13 +39,7 @@ def _saved_file(root) -> str:
 
 def _libs(lib: str):
     """(checkpoint, format_utils, c10d) of ``lib``; PyTorch's process group is made here (gloo)."""
-    warnings.simplefilter("ignore")
-    prefix = "torch.distributed" if lib == "torch" else "torchdist"
-    c10d = importlib.import_module(prefix)
-    if lib == "torch":
-        c10d.init_process_group("gloo")
-    checkpoint = importlib.import_module(f"{prefix}.checkpoint")
-    return checkpoint, importlib.import_module(f"{prefix}.checkpoint.format_utils"), c10d
+    return lib_modules(lib, "checkpoint", "checkpoint.format_utils")
 
 
 def _load(ckpt, fu, state, path, **reader_kwargs):
