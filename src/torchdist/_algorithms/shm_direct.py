@@ -66,6 +66,7 @@ it raise.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
@@ -155,7 +156,13 @@ def _read_peer(steps, comm: Comm, peer: int, remote: int, local: int, nbytes: in
         cross_memory.read(steps.board.pids[peer], remote, local, nbytes)
     except OSError as exc:
         board = steps.board
-        board.check_alive([peer])  # raises, naming it, if the peer is gone
+        # A peer whose memory went away (ESRCH: its process is exiting, while its
+        # segment's lock may still be held for a moment) is lost, and if some rank
+        # broke first, that rank's reason is the cause to report.
+        if exc.errno == errno.ESRCH:
+            raise board.lost(peer) from exc
+        board.check_aborts()
+        board.check_alive([peer])
         raise DistBackendError(f"{board.label}: rank {board.names[comm.rank]} cannot read rank "
                                f"{board.names[peer]}'s tensor in collective #{comm.seq} "
                                f"{comm.fingerprint.describe()}: {exc}. Set TORCHDIST_SHM_CMA=0 to "

@@ -252,12 +252,19 @@ class Board:
     def check_alive(self, peers: list[int]) -> None:
         for peer in peers:
             if peer != self.rank and not self.segments[peer].owner_alive():
-                self.check_aborts()  # a rank that broke and exited: report its reason
-                name = self.names[peer]
-                raise DistNetworkError(
-                    f"{self.label}: rank {self.names[self.rank]} lost rank {name}: it is gone "
-                    "(it destroyed the group, exited or was killed while this rank waited for it). See "
-                    f"rank {name}'s log for the cause.")
+                raise self.lost(peer)
+
+    def lost(self, peer: int) -> DistBackendError | DistNetworkError:
+        """The error for a peer that is gone: the reason of a rank that broke first, if
+        one did (a rank that raised may exit before its peers notice), else its loss."""
+        first_abort = self.first_abort()
+        if first_abort is not None:
+            return first_abort
+        name = self.names[peer]
+        return DistNetworkError(
+            f"{self.label}: rank {self.names[self.rank]} lost rank {name}: it is gone "
+            "(it destroyed the group, exited or was killed while this rank waited for it). See "
+            f"rank {name}'s log for the cause.")
 
     def aborted(self, peer: int) -> DistBackendError:
         """The error for a peer whose step counter went negative."""
@@ -268,10 +275,17 @@ class Board:
         return DistBackendError(f"{self.label}: rank {self.names[self.rank]}: the group was aborted by rank "
                                 f"{self.names[peer]}: {reason}")
 
-    def check_aborts(self) -> None:
+    def first_abort(self) -> DistBackendError | None:
+        """The error of the lowest peer whose step counter went negative, if any."""
         for j in self.peers:
             if self.ctl[j][STEP * _Q] < 0:
-                raise self.aborted(j)
+                return self.aborted(j)
+        return None
+
+    def check_aborts(self) -> None:
+        first_abort = self.first_abort()
+        if first_abort is not None:
+            raise first_abort
 
     def publish_abort(self, reason: str) -> None:
         """Tell every peer this rank's group broke: reason first, then the negative counter."""
