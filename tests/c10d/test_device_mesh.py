@@ -102,6 +102,32 @@ def test_layout_views_match_torchs(shape):
     assert not MeshLayout((((2, 2),), ((3, 1),))).is_orthogonal()  # positions {0,2} and {0,1,2} overlap
 
 
+@pytest.mark.parametrize("shape, dim, sizes", [
+    ((8,), 0, (2, 2, 2)), ((8,), 0, (4, 2)), ((2, 6), 1, (3, 2)), ((4, 3), 0, (2, 2)), ((12,), 0, (2, 3, 2)),
+    ((2, 3, 2), 1, (3, 1)),
+])
+def test_unflattened_layouts_match_torchs(shape, dim, sizes):
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    ours = MeshLayout.from_sizes_strides(shape).unflatten(dim, sizes)
+    theirs = _MeshLayout.from_sizes_strides(shape)
+    theirs = theirs.splice(dim, dim + 1, theirs[dim].composition(_MeshLayout.from_sizes_strides(sizes)))
+    rank_map = torch.arange(100, 100 + len(torch.zeros(shape).flatten()), dtype=torch.int)
+    assert ours.sizes == theirs.top_level_sizes
+    for d in range(len(ours)):
+        assert torch.equal(MeshLayout((ours[d],)).remap_to_tensor(rank_map),
+                           _MeshLayout([theirs[d]]).remap_to_tensor(rank_map)), d
+
+
+def test_a_split_that_does_not_divide_its_axis_is_refused():
+    axis = MeshLayout.from_sizes_strides((2, 2, 2))
+    strided = MeshLayout((axis[0] + axis[2],))  # positions 0, 1, 4, 5: dims 0 and 2 flattened
+    assert strided.unflatten(0, (2, 2)).axes == (((2, 4),), ((2, 1),))
+    # positions 0, 1, 4, 5, 8, 9 as 2x3: rows (0, 1, 4) and (5, 8, 9) are no (size, stride) modes
+    with pytest.raises(ValueError, match="cannot walk"):
+        MeshLayout((((3, 4), (2, 1)),)).unflatten(0, (2, 3))
+
+
 # -- a 2x2 mesh at world 4 ----------------------------------------------------------------------
 def _observe_2x2(rank, world, lib):
     c10d, dm = _libs(lib)
@@ -205,6 +231,39 @@ def test_partial_meshes_outsiders_and_from_group_match_torch(world_size):
         assert got[2]["part"]["coordinate"] is None and got[2]["part_group"][0] == "IndexError"
     if world_size == 4:
         assert [g[:2] for g in got[3]["m3_ac"]["groups"][1]] == [([1, 3], "mesh_a"), ([2, 3], "mesh_c")]
+
+
+# -- _unflatten: one dimension split into several ----------------------------------------------------
+def _observe_unflatten(rank, world, lib):
+    c10d, dm = _libs(lib)
+    out = {}
+    line = dm.init_device_mesh("cpu", (world,), mesh_dim_names=("w",))
+    whole = line._unflatten(0, (1, world), ("one", "all"))
+    out["whole"] = (_describe(c10d, whole), whole.get_group("all") is c10d.group.WORLD)
+    out["errors"] = [
+        _outcome(lambda: line._unflatten(1, (world,), ("a",))),
+        _outcome(lambda: line._unflatten("x", (world,), ("a",))),
+        _outcome(lambda: line._unflatten(0, (world,), ("a", "b"))),
+        _outcome(lambda: line._unflatten(0, (world, 2), ("a", "b"))),
+    ]
+    if world == 4:
+        grid = line._unflatten("w", (2, 2), ("dp", "tp"))
+        out["grid"] = [_describe(c10d, m) for m in (grid, grid["dp"], grid["tp"], grid["dp", "tp"])]
+        out["grid_flat"] = _describe(c10d, grid._flatten("again"))
+        square = dm.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        out["square"] = _describe(c10d, square._unflatten("b", (2, 1), ("b0", "b1"), backend_override={"b0": "gloo"}))
+        out["slice"] = _describe(c10d, square["a"]._unflatten(0, (2,), ("a2",)))
+        out["flat"] = _describe(c10d, square._flatten()._unflatten(0, (2, 2), ("x", "y")))
+    c10d.barrier()  # rank 0 holds torch's store: nobody leaves while a peer still creates groups
+    return _finish(c10d, lib, out)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_unflatten_matches_torch(world_size):
+    got = _compare(_observe_unflatten, world_size)
+    if world_size == 4:
+        assert got[1]["grid"][0]["coordinate"] == (0, 1) and got[1]["grid"][1]["mesh"] == ("ok", [1, 3])
+        assert [e[0] for e in got[0]["errors"]] == ["ValueError", "ValueError", "RuntimeError", "ValueError"]
 
 
 # -- torchdist only: communication over the mesh's groups ---------------------------------------------

@@ -6,7 +6,8 @@ flat, row-major list. A *mode* is a pair (size, stride): ``size`` steps of
 modes, outermost first; a flattened dimension has several. A *layout* is one axis
 per mesh dimension. This is the CuTe notation that PyTorch's DeviceMesh adopted
 (``torch.distributed._mesh_layout``): slicing keeps some axes, ``_flatten``
-concatenates them, and all three views share the root's rank map.
+concatenates them, ``_unflatten`` splits one (``MeshLayout.unflatten``), and all
+these views share the root's rank map.
 
 Example, a 2x2 mesh ``[[0, 1], [2, 3]]``: the layout is ``((2:2), (2:1))``. Its
 "dp" dimension, the axis ``(2:2)``, visits positions {0, 2} from offset 0 and
@@ -44,6 +45,37 @@ def _offsets_from_zero(modes: tuple[Mode, ...]) -> list[int]:
     """The positions ``modes`` visits from position 0, in row-major order of its coordinates."""
     return [sum(c * stride for c, (_, stride) in zip(coord, modes))
             for coord in itertools.product(*(range(size) for size, _ in modes))]
+
+
+def _walk(axis: tuple[Mode, ...], size: int, stride: int) -> tuple[Mode, ...]:
+    """The positions of ``axis`` at its indices ``0, stride, ..., (size - 1) * stride``, as modes.
+
+    An axis's index counts through its modes row-major, the innermost fastest, so the
+    walk first skips ``stride`` indices through the innermost modes, then takes
+    ``size`` steps outwards; each mode it crosses must divide evenly (CuTe's
+    composition condition), as it does when an unflattened size divides its axis.
+    """
+    taken: list[Mode] = []
+    for mode_size, mode_stride in reversed(axis):
+        if size == 1:
+            break
+        if stride >= mode_size:  # skipped whole: the walk steps over this mode
+            if stride % mode_size:
+                raise ValueError(f"cannot walk {size} steps of {stride} through the axis {axis}")
+            stride //= mode_size
+            continue
+        if mode_size % stride:
+            raise ValueError(f"cannot walk {size} steps of {stride} through the axis {axis}")
+        room = mode_size // stride
+        steps = min(room, size)
+        if room % steps or size % steps:
+            raise ValueError(f"cannot walk {size} steps of {stride} through the axis {axis}")
+        taken.append((steps, mode_stride * stride))
+        size //= steps
+        stride = 1
+    if size != 1:
+        raise ValueError(f"{size} more steps of {stride} run past the end of the axis {axis}")
+    return coalesce(list(reversed(taken)))
 
 
 @dataclass(frozen=True)
@@ -106,6 +138,13 @@ class MeshLayout:
                 covered.update(start + p for p in from_zero)
         index = torch.tensor([[start + p for p in from_zero] for start in starts], dtype=torch.long)
         return rank_map[index].reshape(-1, *self.sizes)
+
+    def unflatten(self, dim: int, sizes: tuple[int, ...]) -> MeshLayout:
+        """This layout with dimension ``dim`` split into dimensions of ``sizes`` (row-major,
+        their product its size): dimension ``dim`` composed with the layout of ``sizes``."""
+        inner_strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        split = tuple(_walk(self.axes[dim], size, stride) for size, stride in zip(sizes, inner_strides))
+        return MeshLayout(self.axes[:dim] + split + self.axes[dim + 1:])
 
     def repr_strides(self) -> tuple[int | tuple[int, ...], ...]:
         """Per dimension, its stride, or a tuple of strides if it has other than one mode (as PyTorch prints)."""

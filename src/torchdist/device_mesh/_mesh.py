@@ -8,9 +8,9 @@ described ``"mesh_<dim name>"`` as in PyTorch. A dimension that spans the whole
 world reuses the default group instead of creating one.
 
 Slicing (``mesh["dp"]``) and ``_flatten`` make views that share the root mesh's
-rank list and reuse its groups; ``_flatten`` alone creates groups (collectively,
-on every rank). Positions are bookkept as in PyTorch 2.13 (see ``_layout.py``).
-This module is a little over 400 lines because ``DeviceMesh`` is one class with
+rank list and reuse its groups; ``_flatten`` and ``_unflatten`` alone create
+groups (collectively, on every rank). Positions are bookkept as in PyTorch 2.13 (see ``_layout.py``).
+This module is a little under 500 lines because ``DeviceMesh`` is one class with
 PyTorch's API surface; its pieces that stand alone live in ``_layout`` and ``_setup``.
 
 Ranks outside the mesh get a mesh all the same: ``get_coordinate()`` is None and,
@@ -23,6 +23,7 @@ accelerator that torch cannot use under a launcher (LOCAL_RANK set) is an error.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from typing import Any
@@ -335,6 +336,42 @@ class DeviceMesh:
                           _root_mesh=root, backend_override=(override,))
         root._flatten_mapping[mesh_dim_name] = flat
         return flat
+
+    def _unflatten(self, dim: int | str, mesh_sizes: tuple[int, ...], mesh_dim_names: tuple[str, ...],
+                   backend_override: dict | None = None) -> DeviceMesh:
+        """This mesh with dimension ``dim`` split into dimensions of ``mesh_sizes`` named
+        ``mesh_dim_names``: a 1-D mesh of 8 ranks unflattened to (2, 4) is the 2x4 mesh.
+
+        Every rank calls it: if this mesh holds groups, the new dimensions' groups are
+        created (as ``init_device_mesh`` would); the other dimensions keep theirs.
+        """
+        if isinstance(dim, int) and dim >= self.ndim:
+            raise ValueError(f"dim {dim} specified in `_unflatten` is out of range {self.ndim}")
+        if isinstance(dim, str) and dim not in (self._mesh_dim_names or ()):
+            raise ValueError(f"dim {dim} specified in `_unflatten` is not in {self._mesh_dim_names}")
+        if len(mesh_sizes) != len(mesh_dim_names):
+            raise RuntimeError("mesh_dim_names must have same length as mesh_sizes in _unflatten!")
+        if isinstance(dim, str):
+            dim = self._mesh_dim_names.index(dim)
+        if math.prod(mesh_sizes) != self._layout.sizes[dim]:
+            raise ValueError(f"The product of mesh_sizes={tuple(mesh_sizes)} is {math.prod(mesh_sizes)}, but the "
+                             f"original dimension at dim={dim} has size {self._layout.sizes[dim]}. These must be "
+                             "equal for unflatten to work correctly.")
+        override = (tuple(normalize_backend_override(backend_override, len(mesh_sizes), tuple(mesh_dim_names)))
+                    if backend_override is not None else ((None, None),) * len(mesh_sizes))
+        layout = self._layout.unflatten(dim, tuple(mesh_sizes))
+        names = list(self._mesh_dim_names or (f"dim_{d}" for d in range(self.ndim)))
+        names[dim:dim + 1] = mesh_dim_names
+        root = self._get_root_mesh()
+        unflattened = DeviceMesh(self._device_type, _layout=layout, _rank_map=root._rank_map,
+                                 mesh_dim_names=tuple(names), _root_mesh=root, _init_backend=False)
+        if hasattr(self, "_dim_group_names"):
+            group_names = list(self._dim_group_names)
+            split = MeshLayout(layout.axes[dim:dim + len(mesh_sizes)])
+            group_names[dim:dim + 1] = self._init_process_groups(split, root._rank_map, tuple(mesh_dim_names),
+                                                                 override)
+            unflattened._dim_group_names = group_names
+        return unflattened
 
     def _get_all_submeshes(self, mesh_dim_name: str) -> list[DeviceMesh]:
         """Every 1-D submesh along ``mesh_dim_name``, not only this rank's."""
