@@ -377,3 +377,40 @@ def test_stages_that_disagree_raise_instead_of_hanging():
         assert r1[0] == rank1_error and needle in r1[1], (case, r1)
         # rank 0 learns of it as a failed receive that names its stage, not as a hang
         assert r0[0] == "DistBackendError" and "pipeline stage 0" in r0[1], (case, r0)
+
+
+# -- _ScheduleForwardOnly: inference, compared with the model and with torch ------------------------------
+def _body_forward_only(rank, world_size, lib):
+    dist, pp = libs(lib)
+    model = full_model(world_size)
+    stage = pp.PipelineStage(model[rank], rank, world_size, torch.device("cpu"))
+    schedule = pp.schedules._ScheduleForwardOnly(stage, 4)
+    x, y = batch()
+    with torch.no_grad():
+        outputs = [schedule.step(*((x + k,) if rank == 0 else ())) for k in range(2)]
+    errors = []
+    for kwargs in (dict(target=y), dict(losses=[])):
+        try:
+            schedule.step(*((x,) if rank == 0 else ()), **kwargs)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    if lib == "torch":
+        dist.destroy_process_group()
+    return outputs, errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_forward_only_schedule_matches_the_model_and_torch(world_size):
+    got = run_ranks(_body_forward_only, world_size, args=("torchdist",), backend="gloo", timeout=90)
+    want = run_ranks(_body_forward_only, world_size, args=("torch",), timeout=90)
+    x, _ = batch()
+    with torch.no_grad():
+        expected = [full_model(world_size)(x + k) for k in range(2)]
+    for rank, ((outputs, errors), (torch_outputs, torch_errors)) in enumerate(zip(got, want)):
+        assert errors == torch_errors == ["Forward-only schedule does not support loss computation"] * 2
+        if rank == world_size - 1:
+            for out, theirs, model_out in zip(outputs, torch_outputs, expected):
+                torch.testing.assert_close(out, model_out)
+                torch.testing.assert_close(out, theirs)
+        else:
+            assert outputs == torch_outputs == [None, None]

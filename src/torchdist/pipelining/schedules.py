@@ -258,6 +258,21 @@ class Schedule1F1B(PipelineScheduleSingle):
         return _plans.one_f_one_b(self._stage.stage_index, self._num_stages, self._n_microbatches)
 
 
+class _ScheduleForwardOnly(PipelineScheduleSingle):
+    """Inference: every microbatch's forward in order, no loss and no backward (PyTorch's private
+    schedule of that name). The last stage's ``step`` returns the merged outputs."""
+
+    def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                           loss_kwargs: dict[str, Any] | None = None) -> None:
+        if target_mbs is not None or losses is not None:
+            raise RuntimeError("Forward-only schedule does not support loss computation")
+        super()._step_microbatches(arg_mbs, kwarg_mbs, None, None, return_outputs, loss_kwargs)
+
+    def _rank_actions(self) -> list[_Action]:
+        return [_Action(self._stage.stage_index, _ComputationType.FORWARD, mb) for mb in range(self._n_microbatches)]
+
+
 class PipelineScheduleMulti(_PipelineSchedule):
     """A schedule with several stages per rank; ``stages`` are this rank's, in increasing stage index."""
 
