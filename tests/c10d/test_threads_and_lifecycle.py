@@ -228,6 +228,25 @@ if dist.get_rank() != 0:  # rank 0, which hosts the store, leaves at once withou
 """
 
 
+def _store_host_returns_at_once(rank: int, world: int, backend: str) -> float | None:
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:  # leaves without destroying anything: its process exits as multiprocessing's children do
+        return None
+    time.sleep(0.5)  # rank 0 is gone from run() by now
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    dist.destroy_process_group()
+    return t.item()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "auto"])
+def test_the_store_host_waits_for_the_ranks_in_a_multiprocessing_child_too(backend: str) -> None:
+    """A multiprocessing child (mp.spawn's worker, this harness's rank) exits through os._exit,
+    without atexit handlers: the store host stopped its server under the others (CI saw it)."""
+    assert run_ranks(_store_host_returns_at_once, 4, args=(backend,), timeout=60) == [None, 3.0, 3.0, 3.0]
+
+
 @pytest.mark.parametrize("backend", ["tcp", "auto"])
 def test_the_store_host_lets_the_ranks_still_running_finish_with_its_store(backend: str) -> None:
     """The members bootstrap their group through the store: a host that stopped it at

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import secrets
 import time
@@ -109,6 +110,7 @@ def init_process_group(
         raise
 
     WORLD.store, WORLD.owns_store = store, owns_store
+    _arm_exit_hook()
     try:
         pg = build_group(
             ranks=list(range(world_size)),
@@ -221,7 +223,26 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 _EXIT_CALLBACKS_S = 10.0
 
 
-@atexit.register
+#: The process whose exit hooks are armed (a forked child inherits the flag, not the hooks).
+_armed_pid: int | None = None
+_quiesced = False
+
+
+def _arm_exit_hook() -> None:
+    """Have :func:`_quiesce_at_exit` run when this process exits, however it exits normally.
+
+    The interpreter runs ``atexit`` handlers, but a ``multiprocessing`` child (``mp.spawn``'s
+    workers, a Pool's) leaves through ``os._exit`` after running multiprocessing's own
+    finalizers, and a forked child starts with that registry cleared: so both are armed here,
+    in the process that initializes, and the first to run does the work.
+    """
+    global _armed_pid
+    if _armed_pid != os.getpid():
+        _armed_pid = os.getpid()
+        atexit.register(_quiesce_at_exit)
+        multiprocessing.util.Finalize(None, _quiesce_at_exit, exitpriority=10)
+
+
 def _quiesce_at_exit() -> None:
     """Finish every live group's outstanding ops and stop its threads before the
     interpreter finalizes (an async op never waited on still runs; gloo finishes
@@ -231,6 +252,10 @@ def _quiesce_at_exit() -> None:
     A process that hosts the job's TCPStore then lets the other ranks hang up first, as
     destroy_process_group does: ranks still running may need it (to create a group
     this rank is not in, say), and would fail on a store that vanished under them."""
+    global _quiesced
+    if _quiesced:  # armed twice (see _arm_exit_hook)
+        return
+    _quiesced = True
     for pg in list(WORLD.groups.values()):
         try:
             pg._backend.quiesce()
