@@ -109,7 +109,7 @@ def test_public_front_only_reexports():
         # the c10d surface that torchdist implements so far; grows with each issue
         "init_process_group", "destroy_process_group", "is_initialized", "is_available",
         "is_torchelastic_launched", "get_rank", "get_world_size", "get_backend", "get_node_local_rank",
-        "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "get_global_rank",
+        "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group", "get_global_rank",
         "get_group_rank", "get_process_group_ranks", "GroupMember", "group", "Backend", "BackendConfig",
         "ReduceOp", "reduce_op", "Work", "ProcessGroup", "Store", "TCPStore", "FileStore", "HashStore",
         "PrefixStore", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError",

@@ -25,6 +25,8 @@ from ._c10d.init import (default_pg_timeout, destroy_process_group, get_backend,
                          is_torchelastic_launched)
 from ._c10d.object_collectives import (all_gather_object, broadcast_object_list, gather_object, recv_object_list,
                                        scatter_object_list, send_object_list)
+from ._c10d import shrink as _shrink
+from ._c10d.shrink import shrink_group
 from ._c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, monitored_barrier, recv, send
 from ._c10d.world import WORLD, GroupMember, group
 from ._process_group import options as _options
@@ -50,7 +52,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_torchelastic_launched",
     "get_rank", "get_world_size", "get_backend", "get_backend_config", "get_node_local_rank", "DebugLevel",
     "get_debug_level", "breakpoint", "record_comm",
-    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
     "get_global_rank", "get_group_rank", "get_pg_count", "get_process_group_ranks",
     # the options of ProcessGroup's op methods (AllgatherOptions is here, not in torch.distributed, as in PyTorch)
     "AllreduceOptions", "AllreduceCoalescedOptions", "AllToAllOptions", "BarrierOptions", "BroadcastOptions",
@@ -68,6 +70,9 @@ __all__ = [
 
 #: In PyTorch's module, not in its package's names: so here, outside ``__all__``.
 AllgatherOptions = _options.AllgatherOptions
+#: shrink_group's flags: module attributes outside ``__all__`` in PyTorch too (torch.distributed has neither).
+SHRINK_DEFAULT = _shrink.SHRINK_DEFAULT
+SHRINK_ABORT = _shrink.SHRINK_ABORT
 
 
 # -- PyTorch's private helpers that libraries call --------------------------------------------

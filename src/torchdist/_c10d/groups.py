@@ -1,7 +1,8 @@
 """Creating groups (``new_group``, subgroups, ``split_group``) and mapping ranks.
 
 Every group gets a name equal on all its members (see ``World.next_group_name``);
-its store is the job's store under the prefix ``"<name>/"``, so each group's
+its store is the job's store under the prefix ``"<name>/"`` (behind ``WORLD.store_prefix``
+once shrink_group replaced the default group), so each group's
 backend bootstraps (exchanges addresses) without colliding with any other group.
 """
 
@@ -45,7 +46,7 @@ def build_group(
     pg_options=None,
 ) -> ProcessGroup:
     """Construct this rank's ProcessGroup over global ``ranks`` (group rank i = ranks[i])."""
-    store = PrefixStore(f"{group_name}/", WORLD.store)
+    store = PrefixStore(f"{WORLD.store_prefix}{group_name}/", WORLD.store)
     impl = create_backend(backend, store, ranks.index(my_global_rank), len(ranks), timeout, group_name=group_name,
                           global_ranks=ranks, pg_options=pg_options)
     return ProcessGroup(

@@ -49,6 +49,11 @@ class World:
     group_count: int = 0
     # Groups created with use_local_synchronization, per member list.
     local_group_count: dict[tuple[int, ...], int] = field(default_factory=dict)
+    # Where groups' store keys live: "" until shrink_group replaces the default group, then a namespace of
+    # the shrunk world's own, so that the survivors' new groups never meet keys of the groups before it.
+    store_prefix: str = ""
+    # shrink_group calls per parent group name: part of the shrunk group's name (see _c10d/shrink.py).
+    shrink_count: dict[str, int] = field(default_factory=dict)
 
     # -- lookups ---------------------------------------------------------------------
     def require_default(self) -> ProcessGroup:
@@ -120,6 +125,8 @@ class World:
         self.groups.clear()
         self.group_count = 0
         self.local_group_count.clear()
+        self.store_prefix = ""
+        self.shrink_count.clear()
 
 
 WORLD = World()
