@@ -10,6 +10,7 @@ from . import staging
 from .api import CheckpointException
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from .filesystem import FileSystemReader, FileSystemWriter
+from .hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .state_dict_loader import load, load_state_dict
@@ -20,7 +21,8 @@ from .storage import StorageReader, StorageWriter
 __all__ = [
     "save", "load", "async_save", "save_state_dict", "load_state_dict", "AsyncCheckpointerType",
     "CheckpointException", "Stateful",
-    "FileSystemReader", "FileSystemWriter", "StorageReader", "StorageWriter",
+    "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "StorageReader",
+    "StorageWriter",
     "DefaultLoadPlanner", "DefaultSavePlanner", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner",
     "WriteItem",
     "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "TensorStorageMetadata",
