@@ -16,7 +16,7 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,31 @@ def _as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
             or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
+
+
+def _completed(value: Any) -> Future:
+    """A future already holding ``value``: the storages here do their I/O before returning one."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _map_files(work: Callable[[Any], Any], files: list, thread_count: int, thread_name: str) -> list:
+    """``work(f)`` for every file ``f``, on up to ``thread_count`` threads when there are several."""
+    if thread_count > 1 and len(files) > 1:
+        with ThreadPoolExecutor(min(thread_count, len(files)), thread_name_prefix=thread_name) as pool:
+            return list(pool.map(work, files))
+    return [work(f) for f in files]
+
+
+def _commit_read(planner: LoadPlanner, item: ReadItem, source: torch.Tensor, where: str = "") -> None:
+    """Copy ``source`` (the box of a saved chunk that ``item`` asks for) into the planner's tensor."""
+    target = planner.resolve_tensor(item).detach()
+    if target.shape != source.shape:
+        raise RuntimeError(f"checkpoint load: read item {item.storage_index}{where} has shape "
+                           f"{tuple(source.shape)} but its destination has {tuple(target.shape)}")
+    target.copy_(source)
+    planner.commit_tensor(item, target)
 
 
 def _split(items: list[WriteItem], buckets: int) -> list[list[WriteItem]]:
@@ -163,14 +188,8 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank or 0}_"
         groups = _split(plan.items, self.thread_count) if self.single_file_per_rank else [[it] for it in plan.items]
         files = [(f"{prefix}{i}{_SUFFIX}", group) for i, group in enumerate(groups)]
-        if self.thread_count > 1 and len(files) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-writer") as pool:
-                written = list(pool.map(lambda f: self._write_file(f[0], f[1], planner), files))
-        else:
-            written = [self._write_file(name, group, planner) for name, group in files]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result([result for results in written for result in results])
-        return future
+        written = _map_files(lambda f: self._write_file(f[0], f[1], planner), files, self.thread_count, "dcp-writer")
+        return _completed([result for results in written for result in results])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
@@ -265,16 +284,8 @@ class FileSystemReader(StorageReader):
                         chunk = torch.load(io.BytesIO(self._slice(stream, info)), map_location="cpu",
                                            weights_only=True)
                         cached = (info.offset, chunk)
-                    source = narrow(cached[1], item.storage_offsets, item.lengths)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.shape != source.shape:
-                        raise RuntimeError(f"checkpoint load: read item {item.storage_index} has shape "
-                                           f"{tuple(source.shape)} but its destination has {tuple(target.shape)}")
-                    target.copy_(source)
-                    planner.commit_tensor(item, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+                    _commit_read(planner, item, narrow(cached[1], item.storage_offsets, item.lengths))
+        return _completed(None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

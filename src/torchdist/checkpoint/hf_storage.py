@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,7 +36,8 @@ from torch.futures import Future
 from ._consolidate_hf import consolidate_safetensors_files
 from ._hf_utils import (INDEX_FILE, SHARDED_DIR_NAME, SUFFIX, _HFStorageInfo, dtype_of, file_name, import_safetensors,
                         sharding_metadata, saved_offsets, write_index)
-from .filesystem import FileSystemReader, FileSystemWriter, _as_cpu_contiguous, _StorageInfo
+from .filesystem import (FileSystemReader, FileSystemWriter, _as_cpu_contiguous, _commit_read, _completed,
+                         _map_files, _StorageInfo)
 from .metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
                        TensorStorageMetadata)
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -46,12 +46,6 @@ from .storage import WriteResult
 __all__ = ["HuggingFaceStorageWriter", "HuggingFaceStorageReader"]
 
 logger = logging.getLogger(__name__)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
 
 
 class HuggingFaceStorageWriter(FileSystemWriter):
@@ -157,12 +151,9 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         storage_data = plan.storage_data or {}
         shard_index = storage_data.get("shard_index")
         files = [(self._file_name(index, shard_index), items) for index, items in self._split(plan.items).items()]
-        if self.thread_count > 1 and len(files) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-hf-writer") as pool:
-                written = list(pool.map(lambda f: self._write_file(f[0], f[1], planner), files))
-        else:
-            written = [self._write_file(name, items, planner) for name, items in files]
-        return _done([result for results in written for result in results])
+        written = _map_files(lambda f: self._write_file(f[0], f[1], planner), files, self.thread_count,
+                             "dcp-hf-writer")
+        return _completed([result for results in written for result in results])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.save_distributed and not self.enable_consolidation:
@@ -225,22 +216,12 @@ class HuggingFaceStorageReader(FileSystemReader):
         with import_safetensors().safe_open(str(self.path / name), framework="pt") as f:
             for item in items:
                 boxes = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                source = f.get_slice(item.storage_index.fqn)[boxes]
-                target = planner.resolve_tensor(item).detach()
-                if target.shape != source.shape:
-                    raise RuntimeError(f"checkpoint load: read item {item.storage_index} of {name} has shape "
-                                       f"{tuple(source.shape)} but its destination has {tuple(target.shape)}")
-                target.copy_(source)
-                planner.commit_tensor(item, target)
+                _commit_read(planner, item, f.get_slice(item.storage_index.fqn)[boxes], f" of {name}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        if self.thread_count > 1 and len(per_file) > 1:
-            with ThreadPoolExecutor(min(self.thread_count, len(per_file)), thread_name_prefix="dcp-hf-reader") as pool:
-                list(pool.map(lambda entry: self._read_file(entry[0], entry[1], planner), per_file.items()))
-        else:
-            for name, items in per_file.items():
-                self._read_file(name, items, planner)
-        return _done(None)
+        _map_files(lambda entry: self._read_file(entry[0], entry[1], planner), list(per_file.items()),
+                   self.thread_count, "dcp-hf-reader")
+        return _completed(None)
