@@ -37,6 +37,22 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _registration(group) -> str:
+    """Whether ``group`` is still registered, or the error that says it is not."""
+    try:
+        dist.get_process_group_ranks(group)
+        return "still registered"
+    except ValueError as exc:
+        return str(exc)
+
+
+def _sum_of_ranks(rank: int) -> float:
+    """The all-reduced sum of this rank's old rank over the default group."""
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
 # -- validation: PyTorch's types and messages -------------------------------------------------
 def _error(fn, *args) -> tuple[str, str] | None:
     try:
@@ -130,14 +146,8 @@ def _kill_then_shrink(rank: int, world: int, victim: int) -> dict:
     out = {"default": new is dist.group.WORLD, "rank": dist.get_rank(), "size": dist.get_world_size(),
            "ranks": dist.get_process_group_ranks(None), "global": dist.get_global_rank(new, dist.get_rank()),
            "name": new.group_name}
-    try:
-        dist.get_process_group_ranks(other)
-        out["other"] = "still registered"
-    except ValueError as exc:
-        out["other"] = str(exc)
-    t = torch.tensor([float(rank)])
-    dist.all_reduce(t)
-    out["sum"] = t.item()
+    out["other"] = _registration(other)
+    out["sum"] = _sum_of_ranks(rank)
     b = torch.tensor([float(rank)])
     dist.broadcast(b, src=n - 1)
     out["bcast"] = b.item()
@@ -207,15 +217,10 @@ def _shrink_twice(rank: int, world: int) -> dict:
         _die()
     new = dist.shrink_group([1])
     out = {"rank": dist.get_rank(), "size": dist.get_world_size(), "name": new.group_name}
-    try:
-        dist.get_process_group_ranks(pair)
-        out["pair"] = "still registered"
-    except ValueError as exc:
-        out["pair"] = str(exc)
-    t = torch.tensor([float(rank)])
-    dist.all_reduce(t)
-    out["sum"] = t.item()
+    out["pair"] = _registration(pair)
+    out["sum"] = _sum_of_ranks(rank)
     local = dist.new_group([0, 1], use_local_synchronization=True)  # fresh store namespace: no stale keys
+    t = torch.tensor([out["sum"]])
     dist.all_reduce(t, group=local)
     out["local"] = t.item()
     return out
