@@ -513,3 +513,49 @@ def _late_rank(rank: int, world: int) -> tuple[str, float]:
 def test_barrier_options_timeout_bounds_the_barrier():
     results = run_ranks(_late_rank, 2, backend="gloo", timeout=30)
     assert results[0][0] == "raised" and results[0][1] < 2.5, results
+
+
+def _late_op(rank: int, world: int, lib: str, case: str) -> tuple[str, float]:
+    """Rank 1 never joins an op whose own timeout is 0.5 s (the group's is 60 s)."""
+    if lib == "torch":
+        import torch.distributed as D
+
+        D.init_process_group("gloo", timeout=timedelta(seconds=60))
+    else:
+        D = dist
+        D.init_process_group("tcp" if case.endswith("tcp") else "shm", timeout=timedelta(seconds=60))
+    half = timedelta(seconds=0.5)
+    pg, t = D.group.WORLD, torch.ones(1 << 10)
+    ops = {
+        "allreduce opts": lambda: pg.allreduce([t], _opts(D, "AllreduceOptions", timeout=half)),
+        "allreduce timeout=": lambda: pg.allreduce(t, D.ReduceOp.SUM, half),
+        "broadcast opts": lambda: pg.broadcast([t], _opts(D, "BroadcastOptions", rootRank=1, timeout=half)),
+        "allgather timeout=": lambda: pg.allgather([torch.zeros_like(t) for _ in range(world)], t, half),
+        "all_to_all_single timeout=": lambda: pg.all_to_all_single(torch.zeros_like(t), t, [], [], half),
+    }
+    if rank == 1:
+        time.sleep(3)
+        return "late", 0.0
+    start = time.monotonic()
+    try:
+        ops[case.rsplit(" ", 1)[0]]().wait()
+    except RuntimeError as exc:  # torch's DistBackendError and torchdist's are RuntimeErrors
+        return f"raised {exc}", time.monotonic() - start
+    return "passed", time.monotonic() - start
+
+
+_LATE_OPS = ["allreduce opts", "allreduce timeout=", "broadcast opts", "allgather timeout=",
+             "all_to_all_single timeout="]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", _LATE_OPS)
+def test_an_ops_own_timeout_bounds_it_as_in_torch(case: str):
+    if case.startswith("allreduce"):  # torch's gloo honours both forms (checked here on one op, for time)
+        (theirs, their_time), _ = run_ranks(_late_op, 2, args=("torch", f"{case} torch"), timeout=60)
+        assert theirs.startswith("raised") and their_time < 2.5, (theirs, their_time)
+    for backend in ("tcp", "shm"):
+        (ours, our_time), _ = run_ranks(_late_op, 2, args=("torchdist", f"{case} {backend}"), timeout=60)
+        assert ours.startswith("raised") and our_time < 2.5, (backend, ours, our_time)
+        assert "timed out after 0.5s" in ours and "raise the op's timeout" in ours, ours
+

@@ -10,8 +10,9 @@ function on this group with the group rank as ``group_src``/``group_dst``, and
 hands back the Work. Misuse raises what PyTorch's backend raises: its checks are C++
 ``RuntimeError``s where the c10d front end's Python checks raise ``ValueError``.
 
-An op's own timeout (``opts.timeout``, ``timeout=``) bounds ``barrier`` only; the other
-ops run under their group's timeout, as the backends take no per-op limit.
+An op's own timeout (``opts.timeout``, ``timeout=``) bounds that op, as in PyTorch's gloo:
+the method sets it around its call (``_process_group.op_timeout``) and the backend fixes
+the op's deadline from it when the op is issued. Unset, the group's timeout applies.
 
 The class users get as ``torchdist.ProcessGroup`` is defined here, at the top of the
 c10d layer: the layer-2 :class:`~torchdist._process_group.process_group.ProcessGroup`
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._process_group import process_group
+from .._process_group.op_timeout import op_timeout
 from .._process_group.options import (UNSET_TIMEOUT, AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
                                      AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, ReduceOptions,
                                      ReduceScatterOptions, ScatterOptions)
@@ -147,6 +149,11 @@ def _own_timeout(timeout: timedelta | None) -> timedelta | None:
     return None if timeout is None or timeout == UNSET_TIMEOUT else timeout
 
 
+def _timeout_of(form: int, a: dict, opts: Any) -> timedelta | None:
+    """The op's own timeout: ``opts.timeout`` in the options form (form 0), else the ``timeout`` argument."""
+    return opts.timeout if form == 0 else a.get("timeout")
+
+
 def _fold(tensors: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """The local reduction of several same-shaped tensors (gloo reduces every tensor of the list)."""
     kind, _ = as_red_op(op)
@@ -193,10 +200,11 @@ class ProcessGroupOps:
     """Mixin of ProcessGroup: the op methods. Ranks are group ranks."""
 
     def _run(self, name: str, async_op: bool, call: Callable[[bool], Work | None],
-             outputs: list | None = None) -> Work:
-        """``call(async_op)`` on the front end, its errors as the backend's; a synchronous
-        call has finished when it returns, so it gets a completed Work."""
-        with _backend_errors():
+             outputs: list | None = None, timeout: timedelta | None = None) -> Work:
+        """``call(async_op)`` on the front end, its errors as the backend's, its ops bounded by
+        ``timeout`` if set; a synchronous call has finished when it returns, so it gets a
+        completed Work."""
+        with _backend_errors(), op_timeout(_own_timeout(timeout)):
             work = call(async_op)
         return work if work is not None else Work.completed(name, outputs)
 
@@ -209,16 +217,17 @@ class ProcessGroupOps:
                            (_arg("tensor", _is_tensor), _arg("op", _is_op, ReduceOp.SUM), _timeout_arg()))
         opts = a.get("opts") or AllreduceOptions()
         op, async_op = (opts.reduceOp, opts.asyncOp) if form == 0 else (a["op"], True)
+        timeout = _timeout_of(form, a, opts)
         tensors = [a["tensor"]] if form == 2 else list(a["tensors"])
         collectives._require_tensors("allreduce", tensors)
         if len(tensors) == 1:
             return self._run("allreduce", async_op, lambda x: collectives.all_reduce(tensors[0], op, self, x),
-                             tensors)
+                             tensors, timeout)
         _check_alike("allreduce", tensors)
         with _backend_errors():
             collectives._check_op("allreduce", op, tensors)
         acc = _fold(tensors, op)  # gloo reduces over every tensor of every rank, and writes each
-        work = self._run("allreduce", True, lambda x: collectives.all_reduce(acc, op, self, x))
+        work = self._run("allreduce", True, lambda x: collectives.all_reduce(acc, op, self, x), None, timeout)
         return _copy_into(work, acc, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | None = None) -> Work:
@@ -232,7 +241,8 @@ class ProcessGroupOps:
             _args.check_same_dtype("allreduce_coalesced", tensors)
             collectives._check_op("allreduce_coalesced", opts.reduceOp, tensors)
         stage = _args.Staging()
-        work = self.backend.allreduce([stage.output(t) for t in tensors], opts.reduceOp, async_op=opts.asyncOp)
+        with op_timeout(_own_timeout(opts.timeout)):
+            work = self.backend.allreduce([stage.output(t) for t in tensors], opts.reduceOp, async_op=opts.asyncOp)
         return stage.finish(work, True)
 
     def reduce(self, *args: Any, **kwargs: Any) -> Work:
@@ -241,15 +251,16 @@ class ProcessGroupOps:
                            (_arg("tensors", _is_tensors), _opts(ReduceOptions)),
                            (_arg("tensor", _is_tensor), _arg("root", _is_int),
                             _arg("op", _is_op, ReduceOp.SUM), _timeout_arg()))
+        opts = a.get("opts") or ReduceOptions()
         if form == 0:
-            opts = a["opts"] or ReduceOptions()
             tensor, root, op, async_op = _single("reduce", a["tensors"]), opts.rootRank, opts.reduceOp, opts.asyncOp
             if opts.rootTensor != 0:
                 raise RuntimeError(f"ProcessGroup.reduce: invalid root tensor: {opts.rootTensor}")
         else:
             tensor, root, op, async_op = a["tensor"], a["root"], a["op"], True
         return self._run("reduce", async_op,
-                         lambda x: collectives.reduce(tensor, None, op, self, x, group_dst=root), [tensor])
+                         lambda x: collectives.reduce(tensor, None, op, self, x, group_dst=root), [tensor],
+                         _timeout_of(form, a, opts))
 
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> Work:
         """``reduce_scatter(outputs, input_lists, opts)`` or ``reduce_scatter(output, inputs, op, timeout)``."""
@@ -258,14 +269,15 @@ class ProcessGroupOps:
                             _opts(ReduceScatterOptions)),
                            (_arg("output", _is_tensor), _arg("input", _is_tensors),
                             _arg("op", _is_op, ReduceOp.SUM), _timeout_arg()))
+        opts = a.get("opts") or ReduceScatterOptions()
         if form == 0:
-            opts = a["opts"] or ReduceScatterOptions()
             output = _single("reduce_scatter", a["output_tensors"], "output")
             inputs, op, async_op = _single("reduce_scatter", a["input_tensors"], "input"), opts.reduceOp, opts.asyncOp
         else:
             output, inputs, op, async_op = a["output"], a["input"], a["op"], True
         return self._run("reduce_scatter", async_op,
-                         lambda x: collectives.reduce_scatter(output, list(inputs), op, self, x), [output])
+                         lambda x: collectives.reduce_scatter(output, list(inputs), op, self, x), [output],
+                         _timeout_of(form, a, opts))
 
     def _reduce_scatter_base(self, outputTensor: torch.Tensor, inputTensor: torch.Tensor,
                              opts: ReduceScatterOptions | None = None) -> Work:
@@ -282,7 +294,7 @@ class ProcessGroupOps:
                                                    _arg("inputTensor", _is_tensor), _opts(ReduceScatterOptions)))
         opts = opts or ReduceScatterOptions()
         return self._run(name, opts.asyncOp, lambda x: collectives.reduce_scatter_single(
-            output, input, opts.reduceOp, self, x), [output])
+            output, input, opts.reduceOp, self, x), [output], opts.timeout)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> Work:
@@ -308,14 +320,15 @@ class ProcessGroupOps:
                            (_arg("output_tensors", _is_tensor_lists), _arg("input_tensors", _is_tensors),
                             _opts(AllgatherOptions)),
                            (_arg("output_tensors", _is_tensors), _arg("input_tensor", _is_tensor), _timeout_arg()))
+        opts = a.get("opts") or AllgatherOptions()
         if form == 0:
-            opts = a["opts"] or AllgatherOptions()
             outputs = _single("allgather", a["output_tensors"], "output")
             input, async_op = _single("allgather", a["input_tensors"], "input"), opts.asyncOp
         else:
             outputs, input, async_op = a["output_tensors"], a["input_tensor"], True
         return self._run("allgather", async_op,
-                         lambda x: collectives.all_gather(list(outputs), input, self, x), list(outputs))
+                         lambda x: collectives.all_gather(list(outputs), input, self, x), list(outputs),
+                         _timeout_of(form, a, opts))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: AllgatherOptions | None = None) -> Work:
@@ -358,7 +371,7 @@ class ProcessGroupOps:
                  (_arg("output", _is_tensor), _arg("input", _is_tensor), _opts(AllgatherOptions)))
         opts = opts or AllgatherOptions()
         return self._run(name, opts.asyncOp, lambda x: collectives.all_gather_single(output, input, self, x),
-                         [output])
+                         [output], opts.timeout)
 
     def gather(self, *args: Any, **kwargs: Any) -> Work:
         """``gather(output_lists, inputs, opts)`` or ``gather(outputs, input, root, timeout)``; only the
@@ -368,8 +381,8 @@ class ProcessGroupOps:
                             _opts(GatherOptions)),
                            (_arg("output_tensors", _is_tensors), _arg("input_tensor", _is_tensor),
                             _arg("root", _is_int), _timeout_arg()))
+        opts = a.get("opts") or GatherOptions()
         if form == 0:
-            opts = a["opts"] or GatherOptions()
             lists, root, async_op = a["output_tensors"], opts.rootRank, opts.asyncOp
             input = _single("gather", a["input_tensors"], "input")
             if len(lists) > 1:
@@ -379,7 +392,7 @@ class ProcessGroupOps:
             outputs, input, root, async_op = list(a["output_tensors"]), a["input_tensor"], a["root"], True
         return self._run("gather", async_op,
                          lambda x: collectives.gather(input, outputs or None, None, self, x, group_dst=root),
-                         [outputs] if outputs else [])
+                         [outputs] if outputs else [], _timeout_of(form, a, opts))
 
     def scatter(self, *args: Any, **kwargs: Any) -> Work:
         """``scatter(outputs, input_lists, opts)`` or ``scatter(output, inputs, root, timeout)``; only the
@@ -389,8 +402,8 @@ class ProcessGroupOps:
                             _opts(ScatterOptions)),
                            (_arg("output_tensor", _is_tensor), _arg("input_tensors", _is_tensors),
                             _arg("root", _is_int), _timeout_arg()))
+        opts = a.get("opts") or ScatterOptions()
         if form == 0:
-            opts = a["opts"] or ScatterOptions()
             lists, root, async_op = a["input_tensors"], opts.rootRank, opts.asyncOp
             output = _single("scatter", a["output_tensors"], "output")
             if len(lists) > 1:
@@ -400,7 +413,7 @@ class ProcessGroupOps:
             output, inputs, root, async_op = a["output_tensor"], list(a["input_tensors"]), a["root"], True
         return self._run("scatter", async_op,
                          lambda x: collectives.scatter(output, inputs or None, None, self, x, group_src=root),
-                         [output])
+                         [output], _timeout_of(form, a, opts))
 
     # -- broadcast and all-to-all ----------------------------------------------------------
     def broadcast(self, *args: Any, **kwargs: Any) -> Work:
@@ -418,7 +431,7 @@ class ProcessGroupOps:
         _check_alike("broadcast", tensors)
         source = tensors[opts.rootTensor]
         work = self._run("broadcast", async_op, lambda x: collectives.broadcast(source, None, self, x, group_src=root),
-                         tensors)
+                         tensors, _timeout_of(form, a, opts))
         return _copy_into(work, source, tensors) if len(tensors) > 1 else work
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
@@ -428,7 +441,7 @@ class ProcessGroupOps:
                  (_arg("output_tensors", _is_tensors), _arg("input_tensors", _is_tensors), _opts(AllToAllOptions)))
         opts = opts or AllToAllOptions()
         return self._run("alltoall", opts.asyncOp, lambda x: collectives.all_to_all(
-            list(output_tensors), list(input_tensors), self, x), list(output_tensors))
+            list(output_tensors), list(input_tensors), self, x), list(output_tensors), opts.timeout)
 
     def alltoall_base(self, *args: Any, **kwargs: Any) -> Work:
         """``alltoall_base(output, input, output_split_sizes, input_split_sizes, opts | timeout)``."""
@@ -442,7 +455,8 @@ class ProcessGroupOps:
         head = (_arg("output", _is_tensor), _arg("input", _is_tensor), _arg("output_split_sizes", _is_ints),
                 _arg("input_split_sizes", _is_ints))
         form, a = _resolve(name, args, kwargs, (*head, _opts(AllToAllOptions)), (*head, _timeout_arg()))
-        async_op = (a["opts"] or AllToAllOptions()).asyncOp if form == 0 else True
+        opts = a.get("opts") or AllToAllOptions()
+        async_op = opts.asyncOp if form == 0 else True
         output = a["output"]
         try:  # gloo checks the split sizes when the op runs: they fail its Work, not the call
             collectives._splits(name, output, a["output_split_sizes"], self.size(), "output")
@@ -450,7 +464,8 @@ class ProcessGroupOps:
         except (ValueError, RuntimeError) as exc:
             return _failed(name, RuntimeError(str(exc)))
         return self._run(name, async_op, lambda x: collectives.all_to_all_single(
-            output, a["input"], list(a["output_split_sizes"]), list(a["input_split_sizes"]), self, x), [output])
+            output, a["input"], list(a["output_split_sizes"]), list(a["input_split_sizes"]), self, x), [output],
+            _timeout_of(form, a, opts))
 
     # -- barriers --------------------------------------------------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> Work:

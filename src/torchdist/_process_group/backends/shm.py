@@ -32,6 +32,7 @@ from ..._transport.base import Transport
 from ..._transport.shm import ShmTransport
 from ..._transport.shm_segment import host_identity, supported
 from .. import profiling
+from ..op_timeout import op_seconds
 from ..reduce_op import ReduceOp, reduction_key
 from ..work import Work
 from .tcp import WAKE_BYTES, TcpBackend, memo
@@ -150,6 +151,7 @@ class ShmBackend(TcpBackend):
                 run: Callable[..., None], *args, seconds: float | None = None) -> Work | None:
         """``run(comm, *args)`` now on this thread if the engine is idle; None if it is not.
         ``seconds``: the op's timeout, if not the group's."""
+        seconds = op_seconds(seconds)
         limit = self._seconds if seconds is None else seconds
         error = None
         with self._issue:  # the sequence number and the engine are taken together

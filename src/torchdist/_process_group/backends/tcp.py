@@ -54,6 +54,7 @@ from ..._transport.framing import MsgKind, OpFingerprint, OpKind
 from ..._transport.mesh import connect_mesh
 from ..._transport.tcp import TcpTransport
 from .. import profiling
+from ..op_timeout import op_seconds
 from ..backend import ProcessGroupBackend
 from ..reduce_op import ReduceOp, RedOpType, as_red_op, reduction_key
 from ..work import Work
@@ -198,6 +199,7 @@ class TcpBackend(ProcessGroupBackend):
 
     def _collective(self, op_name: str, outputs: list[torch.Tensor], fingerprint: OpFingerprint,
                     run: Callable[[Comm], None], async_op: bool, seconds: float | None = None) -> Work:
+        seconds = op_seconds(seconds)
         limit = self._seconds if seconds is None else seconds
 
         def body(work: _OpWork, seq: int) -> None:
