@@ -21,13 +21,13 @@ import glob
 import logging
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._chunks import narrow
+from .filesystem import _map_files
 from ._hf_utils import (DATA_OFFSETS_KEY, DTYPE_KEY, EXTRA_METADATA_KEY, SHAPE_KEY, SUFFIX, dtype_of, encode_header,
                         file_name, nbytes, read_header, saved_offsets, write_index)
 
@@ -132,11 +132,7 @@ def consolidate_safetensors_files(input_dir: str, output_dir: str, fqn_to_index_
         outputs.setdefault(file_name(index, largest), []).append(fqn)
     os.makedirs(output_dir, exist_ok=True)
     jobs = [(os.path.join(output_dir, name), fqns) for name, fqns in outputs.items()]
-    if num_threads > 1 and len(jobs) > 1:
-        with ThreadPoolExecutor(min(num_threads, len(jobs)), thread_name_prefix="dcp-consolidate") as pool:
-            sizes = list(pool.map(lambda job: _write_file(job[0], job[1], keys), jobs))
-    else:
-        sizes = [_write_file(path, fqns, keys) for path, fqns in jobs]
+    sizes = _map_files(lambda job: _write_file(job[0], job[1], keys), jobs, num_threads, "dcp-consolidate")
     weight_map = {fqn: name for name, fqns in outputs.items() for fqn in fqns}
     write_index(output_dir, weight_map, sum(sizes))
     logger.info("consolidated %d keys from %s into %d files in %s", len(weight_map), input_dir, len(jobs), output_dir)
