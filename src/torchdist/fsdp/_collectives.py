@@ -44,6 +44,9 @@ class GroupAllGather:
         for bucket in _by_dtype(params, lambda p: p.all_gather_dtype):
             with torch.no_grad():
                 flat = torch.cat([p.all_gather_input(self._layout(p)) for p in bucket])
+            if mesh_info.shard_group is None:  # replicate-only (DDP): this rank's shard is the whole parameter
+                self._buckets.append((bucket, flat, None))
+                continue
             out = comm.allocate((flat.numel() * mesh_info.shard_size,), dtype=flat.dtype, device=flat.device)
             work = comm(output_tensor=out, input_tensor=flat, group=mesh_info.shard_group, async_op=async_op)
             self._buckets.append((bucket, out, work))

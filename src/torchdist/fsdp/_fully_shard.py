@@ -45,7 +45,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     """Shard ``module``'s parameters over ``mesh`` (default: 1-D over the world) and gather them around its forward
     and backward; see the module docstring. A list of modules makes one group communicated together. Returns the
     module (or the list), now ``FSDPModule`` instance(s). ``offload_policy`` is accepted and has no effect: on a
-    CPU mesh the sharded parameters and gradients are on the host already."""
+    CPU mesh the sharded parameters and gradients are on the host already. With ``dp_mesh_dims`` ``mesh`` is the full
+    SPMD mesh the parameters already live on as DTensors, and ``dp_mesh_dims`` names its data-parallel dims
+    (``_mesh_info``)."""
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules; pass a module or a non-empty list of modules")
@@ -54,7 +56,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     mesh = mesh or default_mesh()
     mesh_info = mesh_info_of(mesh, dp_mesh_dims)
     auto = reshard_after_forward is None
-    reshard = True if auto else _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    if mesh_info.shard_mesh_dim is None:  # replicate-only (DDP): nothing to reshard to, as in PyTorch
+        auto, reshard = False, False
+    else:
+        reshard = True if auto else _check_reshard_after_forward(reshard_after_forward, mesh_info)
     post_forward_mesh_info = None
     if not isinstance(reshard, bool):  # an int k: between forward and backward, shards over groups of k ranks
         post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, reshard))
@@ -107,6 +112,8 @@ def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int:
                          f"to, not {value}")
     if isinstance(value, bool):
         return value
+    if mesh_info.is_spmd:
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
     size = mesh_info.shard_size
     if value < 1 or value > size or size % value != 0:
         raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, not {value}")
@@ -276,6 +283,9 @@ class FSDPModule:
             state = module._get_fsdp_state()
             state.auto_reshard_after_forward = False
             for group in state.groups:
+                if group.mesh_info.shard_mesh_dim is None:
+                    raise AssertionError("set_reshard_after_forward: a replicate-only (DDP) fully_shard group has no "
+                                         "shards to reshard to")
                 group.reshard_after_forward = reshard_after_forward
                 group.post_forward_mesh_info = None
 

@@ -4,6 +4,14 @@ Vocabulary used across this package: the *shard group* is the process group of
 the shard mesh dimension (parameters are all-gathered and gradients
 reduce-scattered over it); the *replicate group* is the other dimension of a 2-D
 (HSDP) mesh (gradients are all-reduced over it after the reduce-scatter).
+
+Full SPMD mesh (``fully_shard(mesh=full, dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``): the
+user's mesh holds every parallelism (e.g. ``("rep", "shard", "tp")``) and the parameters are already DTensors on
+it. The data-parallel mesh is cut out of it (several shard or replicate dims flattened into one each, HSDP's pair
+concatenated as ``(replicate, shard)``) and FSDP runs on that exactly as for a 1-D/2-D mesh; the full mesh and the
+names are kept (``spmd_mesh``, ``dp_mesh_dims``) for the parameters' layouts, as PyTorch's ``is_spmd_mesh`` does.
+With ``replicate`` only (DDP-style, PyTorch's ``DDPMeshInfo``) there is no shard dim: the shard "group" is this
+rank alone (nothing is gathered or scattered) and gradients are only all-reduced over the replicate group.
 """
 
 from __future__ import annotations
@@ -21,23 +29,30 @@ __all__ = ["MeshInfo", "default_mesh", "mesh_info_of", "concatenate_meshes"]
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """A 1-D mesh (FSDP: ``shard_mesh_dim=0``) or a 2-D one (HSDP: replicate on dim 0, shard on dim 1)."""
+    """A 1-D mesh (FSDP: ``shard_mesh_dim=0``) or a 2-D one (HSDP: replicate on dim 0, shard on dim 1); on a full
+    SPMD mesh also a 1-D replicate-only one (DDP: ``shard_mesh_dim=None, replicate_mesh_dim=0``)."""
 
     mesh: DeviceMesh
-    shard_mesh_dim: int
+    shard_mesh_dim: int | None
     replicate_mesh_dim: int | None = None
+    spmd_mesh: DeviceMesh | None = None  # the user's full mesh, with dp_mesh_dims (a DataParallelMeshDims) naming
+    dp_mesh_dims: Any = None  # ... its data-parallel dims; None for a plain 1-D/2-D data-parallel mesh
 
     @property
-    def shard_group(self) -> ProcessGroup:
-        return self.mesh.get_group(self.shard_mesh_dim)
+    def is_spmd(self) -> bool:
+        return self.spmd_mesh is not None
+
+    @property
+    def shard_group(self) -> ProcessGroup | None:
+        return None if self.shard_mesh_dim is None else self.mesh.get_group(self.shard_mesh_dim)
 
     @property
     def shard_size(self) -> int:
-        return self.mesh.size(self.shard_mesh_dim)
+        return 1 if self.shard_mesh_dim is None else self.mesh.size(self.shard_mesh_dim)
 
     @property
     def shard_rank(self) -> int:
-        return self.mesh.get_local_rank(self.shard_mesh_dim)
+        return 0 if self.shard_mesh_dim is None else self.mesh.get_local_rank(self.shard_mesh_dim)
 
     @property
     def replicate_group(self) -> ProcessGroup | None:
@@ -64,9 +79,7 @@ def default_mesh() -> DeviceMesh:
 def mesh_info_of(mesh: DeviceMesh, dp_mesh_dims: Any = None) -> MeshInfo:
     """Check ``mesh`` (1-D or named 2-D) and say which dimension shards, as ``fully_shard`` does."""
     if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard(dp_mesh_dims=...) (parameters already DTensors on a full SPMD "
-                                  "mesh) is not supported by torchdist yet; pass the data-parallel mesh itself as "
-                                  "``mesh`` (1-D for FSDP, 2-D replicate x shard for HSDP)")
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -75,6 +88,31 @@ def mesh_info_of(mesh: DeviceMesh, dp_mesh_dims: Any = None) -> MeshInfo:
         raise ValueError(f"fully_shard: torchdist runs FSDP on CPU meshes only, got a {mesh.device_type!r} mesh; "
                          "build the mesh with init_device_mesh('cpu', ...)")
     return MeshInfo(mesh, 0) if mesh.ndim == 1 else MeshInfo(mesh, 1, 0)
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
+    """The data-parallel part of a full SPMD mesh, checked as PyTorch checks it (``_validate_mesh``)."""
+    if dims.shard is None and dims.replicate is None:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+    if mesh.device_type != "cpu":
+        raise ValueError(f"fully_shard: torchdist runs FSDP on CPU meshes only, got a {mesh.device_type!r} mesh; "
+                         "build the mesh with init_device_mesh('cpu', ...)")
+
+    def one_dim(names: tuple[str, ...]) -> DeviceMesh:  # several dims become one, with its own process group
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    if not dims.shard_names:  # DDP
+        return MeshInfo(one_dim(dims.replicate_names), None, 0, spmd_mesh=mesh, dp_mesh_dims=dims)
+    shard = one_dim(dims.shard_names)
+    if not dims.replicate_names:
+        return MeshInfo(shard, 0, spmd_mesh=mesh, dp_mesh_dims=dims)
+    dp_mesh = concatenate_meshes([one_dim(dims.replicate_names), shard])
+    return MeshInfo(dp_mesh, 1, 0, spmd_mesh=mesh, dp_mesh_dims=dims)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:

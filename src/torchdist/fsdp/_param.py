@@ -21,6 +21,13 @@ on the concatenated ``(dp, tp)`` mesh with placements ``(dp placement, *TP's)``,
 the dp placement being ``_StridedShard(d, split_factor=tp)`` when TP also shards
 dim ``d`` (FSDP's rows are taken within each TP block), as in PyTorch.
 
+On a full SPMD mesh (``dp_mesh_dims``) every parameter is a DTensor on the user's whole mesh, Replicate on the
+data-parallel dims, and is handled as the TP case above with the whole DTensor as "TP's": FSDP cuts its local
+block, the unsharded parameter is that DTensor again, and the sharded one lives on the same mesh, in its dim
+order, the data-parallel shard dim's Replicate() replaced by ``Shard(d)`` (``_StridedShard(d, split_factor=s)``,
+``s`` the number of shards of ``d`` over the later mesh dims). Several shard dims are flattened into one, and the
+sharded parameter's mesh then has that flattened dim in their place, as in PyTorch.
+
 With ``reshard_after_forward=k`` (an int) a parameter has a second, *post-forward*
 layout over groups of ``k`` ranks: between forward and backward each rank keeps a
 ``1/k`` shard of the unsharded parameter, and backward all-gathers only within
@@ -39,7 +46,7 @@ import torch.nn as nn
 from ..device_mesh import DeviceMesh
 from ..tensor._placements import _StridedShard, is_shard_like
 from ..tensor._spec import DTensorSpec, contiguous_strides
-from ._dtensor import DTensor, Shard, local_of, sharded_parameter, sharded_tensor
+from ._dtensor import DTensor, Replicate, Shard, local_of, sharded_parameter, sharded_tensor
 from ._mesh_info import MeshInfo, concatenate_meshes
 from ._storage import alloc_storage, free_storage
 
@@ -135,6 +142,8 @@ class FSDPParam:
         self.fqn = fqn
         self.shape = param.shape  # the global shape (of the TP DTensor, if the parameter is one)
         self.stride = contiguous_strides(param.shape)
+        if mesh_info.is_spmd:
+            _check_spmd_param(param, mesh_info, slots[0].name)
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         data = local_of(param)  # what FSDP shards: the TP-local block, or the parameter itself
         self.local_shape = data.shape
@@ -161,6 +170,8 @@ class FSDPParam:
         concatenated, FSDP's placement strided over the TP shards of the same dim (PyTorch's ``_StridedShard``)."""
         if self.tp_spec is None:
             return self.mesh_info.mesh, self.mesh_info.placements(Shard(shard_dim))
+        if self.mesh_info.is_spmd:
+            return _spmd_sharded_layout(self.tp_spec, self.mesh_info, shard_dim)
         tp = self.tp_spec
         if len(tp.placements) > 2:
             raise NotImplementedError(f"FSDP only supports 1D TP/EP or 2D EP+TP, not {tp.placements}")
@@ -271,9 +282,13 @@ class FSDPParam:
         (a Partial one is reduced over TP first), its local block."""
         if not isinstance(grad, DTensor):
             return grad
-        if grad.placements != self.tp_spec.placements:
+        target = self.tp_spec.placements
+        if self.mesh_info.is_spmd:  # leave the data-parallel dims (Partial, say) to FSDP's reduce-scatter
+            dp_dims = _dp_dim_indices(self.mesh_info)
+            target = tuple(grad.placements[i] if i in dp_dims else p for i, p in enumerate(target))
+        if grad.placements != target:
             with torch.no_grad():
-                grad = grad.redistribute(placements=self.tp_spec.placements)
+                grad = grad.redistribute(placements=target)
         return grad._local_tensor
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
@@ -286,6 +301,57 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn or '?'}, shape={tuple(self.shape)}, placements={self.placements})"
+
+
+def _dp_dim_indices(mesh_info: MeshInfo) -> list[int]:
+    """Indices in the full SPMD mesh of the data-parallel dims: shard ones first, then replicate ones."""
+    names = mesh_info.spmd_mesh.mesh_dim_names
+    dims = mesh_info.dp_mesh_dims
+    return [names.index(n) for n in (*dims.shard_names, *dims.replicate_names)]
+
+
+def _check_spmd_param(param: nn.Parameter, mesh_info: MeshInfo, name: str) -> None:
+    """A parameter on a full SPMD mesh: a DTensor on that very mesh, Replicate() on every data-parallel dim."""
+    if not isinstance(param, DTensor):
+        raise ValueError("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. "
+                         f"via distribute_module). Got plain tensor for parameter '{name}'.")
+    mesh = param.device_mesh
+    if mesh is not mesh_info.spmd_mesh:
+        raise ValueError("Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got different "
+                         "mesh objects")
+    n_shard = len(mesh_info.dp_mesh_dims.shard_names)
+    for k, i in enumerate(_dp_dim_indices(mesh_info)):
+        if not isinstance(param.placements[i], Replicate):
+            kind = "shard" if k < n_shard else "replicate"
+            raise ValueError(f"Expected Replicate() on DP {kind} dim '{mesh.mesh_dim_names[i]}' (index {i}) but got "
+                             f"{param.placements[i]}")
+
+
+def _spmd_sharded_layout(spec: DTensorSpec, mesh_info: MeshInfo, shard_dim: int) -> tuple[DeviceMesh, tuple]:
+    """Mesh and placements of a sharded parameter on a full SPMD mesh (see the module docstring)."""
+    mesh, names = spec.mesh, spec.mesh.mesh_dim_names
+    shard_names = mesh_info.dp_mesh_dims.shard_names
+    placements = list(spec.placements)
+    for i in (names.index(n) for n in shard_names):
+        split = math.prod(mesh.size(j) for j in range(i + 1, mesh.ndim)
+                          if is_shard_like(placements[j]) and placements[j].dim == shard_dim)
+        placements[i] = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    if len(shard_names) <= 1:  # (none: replicate-only, the parameter keeps its layout)
+        return mesh, tuple(placements)
+    # the shard dims flattened: the data-parallel mesh (HSDP: with its replicate dim) takes the first one's place
+    # (in mesh order), the others and HSDP's replicate dims drop out
+    replicate_names = set(mesh_info.dp_mesh_dims.replicate_names)
+    hsdp = mesh_info.replicate_mesh_dim is not None
+    first = min(names.index(n) for n in shard_names)
+    meshes, out = [], []
+    for i, name in enumerate(names):
+        if i == first:
+            meshes.append(mesh_info.mesh)
+            out.extend((Replicate(), placements[i]) if hsdp else (placements[i],))
+        elif name not in shard_names and not (hsdp and name in replicate_names):
+            meshes.append(mesh[name])
+            out.append(placements[i])
+    return concatenate_meshes(meshes), tuple(out)
 
 
 def _data(param: torch.Tensor) -> torch.Tensor:
