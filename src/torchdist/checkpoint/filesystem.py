@@ -179,10 +179,14 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
                     torch.save(_as_cpu_contiguous(data), stream)
                 length = stream.tell() - offset
                 results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
-            if self.sync_files:
-                stream.flush()
-                os.fsync(stream.fileno())
+            self._sync(stream)
         return results
+
+    def _sync(self, stream) -> None:
+        """With ``sync_files``, make ``stream``'s bytes durable before the file counts as written."""
+        if self.sync_files:
+            stream.flush()
+            os.fsync(stream.fileno())
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank or 0}_"
@@ -198,9 +202,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         partial = self.path / f"{name}.tmp"
         with open(partial, "wb") as stream:
             dump_metadata(metadata, stream)
-            if self.sync_files:
-                stream.flush()
-                os.fsync(stream.fileno())
+            self._sync(stream)
         os.replace(partial, self.path / name)
 
     def storage_meta(self) -> StorageMeta | None:

@@ -142,9 +142,7 @@ class HuggingFaceStorageWriter(FileSystemWriter):
             results.append(WriteResult(item.index, length, _StorageInfo(name, 0, length)))
         with open(self.path / name, "wb") as stream:
             stream.write(save(tensors, metadata=sharding_metadata(offsets)))
-            if self.sync_files:
-                stream.flush()
-                os.fsync(stream.fileno())
+            self._sync(stream)
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
