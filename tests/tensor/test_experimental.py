@@ -226,6 +226,6 @@ def test_exports_match_torch():
 
     import torchdist.tensor.experimental as ours
 
-    assert sorted(ours.__all__) == sorted(n for n in theirs.__all__ if n != "context_parallel")
+    assert sorted(ours.__all__) == sorted(theirs.__all__)
     with pytest.raises(TypeError, match="OpOverload"):
         ours.register_sharding(aten.cumsum)
