@@ -3,7 +3,8 @@
 Modules: ``microbatch`` (splitting batches, merging outputs), ``stage``
 (``PipelineStage``: a piece of the model and its forward/backward of one
 microbatch), ``schedules`` (the order of forwards and backwards, and the step),
-``_plans`` (those orders as per-rank action lists), ``_comm`` (how stages talk),
+``_plans`` (those orders as per-rank action lists), ``_actions`` (the action IR:
+checks, lowering to SEND/RECV, CSV files), ``_executor`` (runs a rank's actions), ``_comm`` (how stages talk),
 ``_meta`` (the tensor metadata stages agree on), ``_ir`` (the fx tracer front end).
 """
 

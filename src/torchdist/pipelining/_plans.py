@@ -2,10 +2,11 @@
 
 An action is (stage, F | B | I | W, microbatch): F forward, B full backward, I
 the input-gradient half of a backward and W its weight-gradient half (zero
-bubble, arXiv:2401.10241). Communication is not part of a plan: the executor
-receives right before an action needs data and sends right after it produced
-some. A plan is therefore correct when the ranks can run it together without
-waiting on each other in a cycle, which ``simulate`` checks.
+bubble, arXiv:2401.10241). Communication is not part of a plan: a plan is
+compute only, and ``_actions.add_send_recv`` lowers it into one with explicit
+SEND/RECV actions (the enum holds those and the FSDP actions too). A plan is
+correct when the ranks can run it together without waiting on each other in a
+cycle, which ``simulate`` checks.
 
 With S stages, P ranks and M microbatches (one stage per rank: S == P):
 
@@ -19,10 +20,11 @@ With S stages, P ranks and M microbatches (one stage per rank: S == P):
   (V - 1) * per_round + 2 * (P - 1 - rank) forwards, then 1F1B.
 * Looped BFS (arXiv:2211.05953): every forward of local stage 0, then of local
   stage 1, ...; then the backwards in reverse.
-* Zero bubble (interleaved and ZBV): found by simulating the pipeline in unit
-  time steps; each rank picks I first, then F while fewer than a cap of
-  microbatches are in flight, then W. ZBV places the stages as a V: rank r
-  holds stages r and 2P - 1 - r.
+* Interleaved zero bubble: found by simulating the pipeline in unit time
+  steps; each rank picks I first, then F while fewer than a cap of
+  microbatches are in flight, then W.
+* ZBV (arXiv:2401.10241, section 6): the stages placed as a V (rank r holds
+  stages r and 2P - 1 - r) and PyTorch 2.13's fixed order, see ``zbv``.
 * DualPipeV (DeepSeek-V3, arXiv:2412.19437, folded into a V): the same V
   placement; in steady state a rank pairs the forward of one of its stages
   with the full backward of the other in one OVERLAP_F_B action, so that one
@@ -31,33 +33,60 @@ With S stages, P ranks and M microbatches (one stage per rank: S == P):
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from enum import Enum
 from typing import Callable, NamedTuple
 
 __all__ = ["_ComputationType", "_Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
-           "zero_bubble", "dualpipe_v", "stage_to_rank", "simulate", "compute_actions"]
+           "zero_bubble", "zbv", "dualpipe_v", "stage_to_rank", "simulate", "compute_actions"]
 
 
 class _ComputationType(str, Enum):
+    """What an action does. Compute: F, B, I, W, OVERLAP_F_B. Communication (the lowered form, see ``_actions``):
+    SEND_F/RECV_F move a microbatch's activations from stage s to s + 1, SEND_B/RECV_B its gradients from s to
+    s - 1. FSDP: UNSHARD gathers a stage's parameters, RESHARD frees them; REDUCE_GRAD scales (and, for a sharded
+    or replicated stage, reduces) a stage's gradients once its last backward has run."""
+
     FORWARD = "F"
-    FULL_BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    FULL_BACKWARD = "B"
     OVERLAP_F_B = "OVERLAP_F_B"  # a forward and a backward of two stages of one rank, run together
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     def __str__(self) -> str:
         return self.value
+
+    @staticmethod
+    def from_str(action: str) -> _ComputationType:
+        try:
+            return _ComputationType(action)
+        except ValueError as exc:
+            raise RuntimeError(f"Invalid computation type {action}") from exc
 
 
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
               _ComputationType.BACKWARD_WEIGHT)
 OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+SEND_F, RECV_F, SEND_B, RECV_B = (_ComputationType.SEND_F, _ComputationType.RECV_F, _ComputationType.SEND_B,
+                                  _ComputationType.RECV_B)
+UNSHARD, RESHARD, REDUCE_GRAD = _ComputationType.UNSHARD, _ComputationType.RESHARD, _ComputationType.REDUCE_GRAD
+_COMPUTE = frozenset((F, B, I, W, OVERLAP_F_B))
+# one action as text: stage, kind, optional microbatch (the longer kinds first, so that "SEND_F" is not read as "S")
+_ACTION_RE = re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|I|B|W)(\d*)")
 
 
 class _Action(NamedTuple):
-    """``2F0``: stage 2, forward, microbatch 0. An OVERLAP_F_B holds its forward and backward in ``sub_actions``
-    (stage -1 and microbatch None, as in PyTorch) and prints as ``(2F0;1B3)OVERLAP_F_B``."""
+    """``2F0``: stage 2, forward, microbatch 0; ``1SEND_F3``, ``0UNSHARD`` (no microbatch). An OVERLAP_F_B holds its
+    forward and backward in ``sub_actions`` (stage -1 and microbatch None, as in PyTorch) and prints as
+    ``(2F0;1B3)OVERLAP_F_B``. ``from_str`` reads what ``repr`` writes; an empty string is no action (None)."""
 
     stage_index: int
     computation_type: _ComputationType
@@ -70,10 +99,32 @@ class _Action(NamedTuple):
         microbatch = "" if self.microbatch_index is None else self.microbatch_index
         return f"{self.stage_index}{self.computation_type}{microbatch}"
 
+    __str__ = __repr__
+
     @property
     def key(self) -> tuple:
         """(stage, kind, microbatch): what the plan functions and the simulator track as done."""
         return (self.stage_index, self.computation_type, self.microbatch_index)
+
+    @property
+    def is_compute_op(self) -> bool:
+        return self.computation_type in _COMPUTE
+
+    @staticmethod
+    def from_str(action_string: str) -> _Action | None:
+        text = action_string.strip()
+        if not text:
+            return None
+        if text.startswith("(") and ")" in text:
+            inner, kind = text[1:text.index(")")], text[text.index(")") + 1:]
+            subs = tuple(a for a in (_Action.from_str(part) for part in inner.split(";")) if a is not None)
+            return _Action(-1, _ComputationType.from_str(kind), None, subs or None)
+        match = _ACTION_RE.match(text)  # like PyTorch: a valid prefix is enough ("1F0x" reads as 1F0)
+        if match is None:
+            raise RuntimeError(f"Invalid action string: {text}, should be formatted as "
+                               "[stage][action type][(microbatch)] e.g. 2F0")
+        stage, kind, microbatch = match.groups()
+        return _Action(int(stage), _ComputationType.from_str(kind), int(microbatch) if microbatch else None)
 
 
 def compute_actions(actions: list[_Action]) -> list[_Action]:
@@ -191,6 +242,49 @@ def _pick(rank: int, stages: list[int], num_stages: int, n_mb: int, done: set, m
                     return _Action(s, F, m)
                 break
     return pending_w[0] if pending_w else None
+
+
+def zbv(rank: int, pp_size: int, n_mb: int) -> list[_Action]:
+    """PyTorch 2.13's ZBV order for one rank: stage ``down = r`` and ``up = 2P - 1 - r``. Phases, with repeats:
+
+    1. F down                          2 (P - r) - 1
+    2. F up, F down                    r
+    3. F up, I up, W up                P - r
+    4. F down, I W down, F up, I W up  until every forward ran (the F down only while microbatches are left)
+    5. I down, I up                    r
+    6. I down, W down                  P - r
+    7. the pending W up, then the pending W down
+
+    It is planned for at least 2P - 1 microbatches; actions of the microbatches beyond ``n_mb`` are dropped."""
+    down, up = rank, 2 * pp_size - 1 - rank
+    n_plan = max(2 * pp_size - 1, n_mb)
+    count = defaultdict(int)  # (stage, kind) -> next microbatch
+    actions: list[_Action] = []
+
+    def add(stage: int, kind: _ComputationType) -> None:
+        actions.append(_Action(stage, kind, count[stage, kind]))
+        count[stage, kind] += 1
+
+    for _ in range(2 * (pp_size - rank) - 1):
+        add(down, F)
+    for _ in range(rank):
+        add(up, F)
+        add(down, F)
+    for _ in range(pp_size - rank):
+        add(up, F), add(up, I), add(up, W)
+    while count[up, F] < count[down, F] or count[down, F] < n_plan:
+        if count[down, F] < n_plan:
+            add(down, F)
+        add(down, I), add(down, W)
+        add(up, F), add(up, I), add(up, W)
+    for _ in range(rank):
+        add(down, I), add(up, I)
+    for _ in range(pp_size - rank):
+        add(down, I), add(down, W)
+    for stage in (up, down):
+        while count[stage, W] < count[stage, I]:
+            add(stage, W)
+    return [a for a in actions if a.microbatch_index < n_mb]
 
 
 class _RankPlan:

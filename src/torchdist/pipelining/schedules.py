@@ -2,9 +2,13 @@
 
 ``step(*args, target=..., losses=...)`` is the whole training step of one rank:
 the first stage gets the inputs, the last stage the target; the batch is cut
-into ``n_microbatches``; the plan from ``_plans`` runs, receiving what an
-action needs right before it and sending what it produced right after
-(``isend``: a rank never waits for its sends until the end of the step);
+into ``n_microbatches``; the plan from ``_plans`` runs (``_executor``),
+receiving what an action needs right before it and sending what it produced
+right after (``isend``: a rank never waits for its sends until the end of the
+step). The multi-stage schedules are ``_PipelineScheduleRuntime``s, as in
+PyTorch: their plan is lowered once to explicit SEND/RECV actions
+(``_actions``), which the executor runs as written; a custom plan is loaded
+from a CSV file or a dict (``_load_csv``, ``_load_actions``);
 losses are collected on the last stage, outputs merged there, and gradients
 divided by ``n_microbatches`` when ``scale_grads``. An OVERLAP_F_B action
 (DualPipeV) runs its forward, then its backward: on CPU there are no streams
@@ -15,18 +19,28 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
-from . import _comm, _plans
+from . import _actions, _plans
+from ._actions import add_reduce_grad as _add_reduce_grad
+from ._actions import add_send_recv as _add_send_recv
+from ._actions import add_unshard_reshard as _add_unshard_reshard
+from ._actions import format_pipeline_order as _format_pipeline_order
+from ._actions import merge_bw as _merge_bw
+from ._actions import simulate_comms_compute as _simulate_comms_compute
+from ._actions import validate_schedule as _validate_schedule
+from ._executor import Executor
 from ._plans import _Action, _ComputationType
 from .microbatch import _TARGET_CHUNK_SPEC, TensorChunkSpec, _split_tensor, merge_chunks, split_args_kwargs_into_chunks
 from .stage import PipelineStage
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-           "ScheduleDualPipeV", "get_schedule_class", "_Action", "_ComputationType"]
+           "ScheduleDualPipeV", "get_schedule_class", "_Action", "_ComputationType", "_PipelineScheduleRuntime",
+           "_format_pipeline_order", "_validate_schedule", "_add_unshard_reshard", "_add_reduce_grad", "_merge_bw",
+           "_add_send_recv", "_simulate_comms_compute"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,39 +184,16 @@ class _PipelineSchedule(ABC):
         for stage in self._stages:
             stage.chunks = self._n_microbatches
         self._initialize(arg_mbs[0], kwarg_mbs[0])
-        self._execute(self._rank_actions(), arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
+        explicit = self._explicit_comms()
+        Executor(self, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs, explicit).run(self._rank_actions())
         self._update_losses(self._stages, losses)
-        for stage in self._stages:
-            stage.perform_reduce_grad(self._n_microbatches if self.scale_grads and self._has_backward else 1)
+        if not explicit:  # an explicit plan scales where its REDUCE_GRAD actions say (none: unscaled, as in PyTorch)
+            for stage in self._stages:
+                stage.perform_reduce_grad(self._n_microbatches if self.scale_grads and self._has_backward else 1)
 
-    def _execute(self, actions: list[_Action], arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
-                 return_outputs: bool, loss_kwargs: dict | None) -> None:
-        """Run ``actions`` in order; receive right before an action, send right after it."""
-        stages = {s.stage_index: s for s in self._stages}
-        losses: dict[int, torch.Tensor] = {}
-        sends = []
-        backward = self._has_backward
-        for action in _plans.compute_actions(actions):  # an OVERLAP_F_B: its forward, then its backward
-            stage = stages[action.stage_index]
-            kind, mb = action.computation_type, action.microbatch_index
-            if kind is _ComputationType.FORWARD:
-                output = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs)
-                if stage.is_last and self._loss_fn is not None and target_mbs is not None:
-                    losses[mb] = self._compute_loss(output, target_mbs[mb], loss_kwargs)
-                    self._internal_losses.append(losses[mb])
-                sends += stage.send_forward(mb, stages.get(stage.stage_index + 1))
-            elif not backward:
-                continue
-            elif kind in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
-                stage.backward_one_chunk(mb, loss=losses.get(mb) if stage.is_last else None,
-                                         full_backward=kind is _ComputationType.FULL_BACKWARD)
-                sends += stage.send_backward(mb, stages.get(stage.stage_index - 1))
-            elif kind is _ComputationType.BACKWARD_WEIGHT:
-                stage.backward_weight_one_chunk(mb)
-            else:
-                raise ValueError(f"{action=} is unknown or unsupported")
-        rank = self._stages[0].group_rank
-        _comm.wait_all(sends, lambda: f"pipeline rank {rank}: completing the sends of this step failed")
+    def _explicit_comms(self) -> bool:
+        """Does the plan hold its SEND/RECV actions (else the executor sends and receives around compute)?"""
+        return False
 
 
 class PipelineScheduleSingle(_PipelineSchedule):
@@ -274,9 +265,12 @@ class _ScheduleForwardOnly(PipelineScheduleSingle):
 
 
 class PipelineScheduleMulti(_PipelineSchedule):
-    """A schedule with several stages per rank; ``stages`` are this rank's, in increasing stage index."""
+    """A schedule with several stages per rank; ``stages`` are this rank's, in increasing stage index.
 
-    _placement_style = "loop"
+    The built-in subclasses compute ``pipeline_order`` (every rank's plan) in their constructor; this class runs
+    one loaded with ``_load_csv`` (compute only), which also decides which rank holds which stage."""
+
+    _placement_style: str | None = None  # None: stage s on rank s % P until a loaded schedule says otherwise
 
     def __init__(
         self,
@@ -303,26 +297,125 @@ class PipelineScheduleMulti(_PipelineSchedule):
         if use_full_backward is not None:
             logger.warning("Deprecation warning: 'use_full_backward' is no longer supported. Simply stop passing "
                            "it, and everything should still work fine.")
-        self.stage_index_to_group_rank = _plans.stage_to_rank(self.pp_group_size, self._num_stages,
-                                                              self._placement_style)
-        mine = sorted(s for s, r in self.stage_index_to_group_rank.items() if r == self.rank)
-        given = [s.stage_index for s in self._stages]
-        if given != mine:
-            raise ValueError(
-                f"{type(self).__name__} on group rank {self.rank}: with {self._num_stages} stages on "
-                f"{self.pp_group_size} ranks ({self._placement_style} placement) this rank holds stages {mine}, "
-                f"but was given stages {given}"
-            )
         for stage in self._stages:
             if stage.num_stages != self._num_stages:
                 raise ValueError(f"{type(self).__name__}: stages disagree on num_stages: "
                                  f"{[s.num_stages for s in self._stages]}")
-            stage.stage_index_to_group_rank = dict(self.stage_index_to_group_rank)
+        style = self._placement_style or "loop"
+        placement = _plans.stage_to_rank(self.pp_group_size, self._num_stages, style)
+        if self._placement_style is not None:
+            self._check_placement(placement, f"{style} placement")
+        self._set_placement(placement)
         self.n_local_stages = len(self._stages)
-        self.pipeline_order: dict[int, list[_Action]] = {}
+        self.pipeline_order: dict[int, list[_Action | None]] = {}
 
-    def _rank_actions(self) -> list[_Action]:
+    def _check_placement(self, placement: dict[int, int], why: str) -> None:
+        mine = sorted(s for s, r in placement.items() if r == self.rank)
+        given = [s.stage_index for s in self._stages]
+        if given != mine:
+            raise ValueError(
+                f"{type(self).__name__} on group rank {self.rank}: with {self._num_stages} stages on "
+                f"{self.pp_group_size} ranks ({why}) this rank holds stages {mine}, but was given stages {given}"
+            )
+
+    def _set_placement(self, placement: dict[int, int]) -> None:
+        self.stage_index_to_group_rank = dict(placement)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = dict(placement)
+
+    def _validate_and_set_stage_mapping(self, actions: dict[int, list[_Action | None]]) -> None:
+        """Check ``actions`` (PyTorch's checks and messages) and take the stage -> rank mapping they imply."""
+        placement = _validate_schedule(actions, self.pp_group_size, self._num_stages, self._n_microbatches)
+        self._check_placement(placement, "as the schedule places them")
+        self._set_placement(placement)
+
+    def _rank_actions(self) -> list[_Action | None]:
+        if self.rank not in self.pipeline_order:
+            raise RuntimeError(f"{type(self).__name__} has no schedule for rank {self.rank}: load one with _load_csv")
         return self.pipeline_order[self.rank]
+
+    def _dump_csv(self, filename: str) -> None:
+        """Write ``pipeline_order`` to ``filename``: one row per rank, one action per cell (see ``_actions``)."""
+        _actions.write_csv(filename, self.pipeline_order)
+
+    def _load_csv(self, filename: str, format: Literal["compute_only", "compute_comms"] = "compute_only") -> None:
+        """Read a compute-only schedule written by ``_dump_csv`` (here or in PyTorch), check it, and use it."""
+        if format != "compute_only":
+            raise AssertionError(f'format must be "compute_only", got {format}')
+        self.pipeline_order = _actions.read_csv(filename)
+        self._validate_and_set_stage_mapping(self.pipeline_order)
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """Runs a schedule with explicit communication actions (``pipeline_order_with_comms``), as PyTorch's class of
+    that name: load a compute-only schedule (lowered here, see ``_actions``) or a compute + comms one with
+    ``_load_csv``/``_load_actions``; the built-in multi-stage schedules lower their own plan in their constructor."""
+
+    def __init__(self, *args: Any, defer_pp_recv: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._defer_pp_recv = defer_pp_recv  # accepted; receives are posted where the lowering places them
+        self.pipeline_order_with_comms: dict[int, list[_Action]] | None = None
+
+    def _explicit_comms(self) -> bool:
+        return True
+
+    def _rank_actions(self) -> list[_Action | None]:
+        if self.pipeline_order_with_comms is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no schedule: load one with _load_csv or _load_actions before step()")
+        return self.pipeline_order_with_comms[self.rank]
+
+    def _prepare_schedule_with_comms(self, actions: dict[int, list[_Action | None]],
+                                     format: Literal["compute_only", "compute_comms"] = "compute_only") -> None:
+        """Check ``actions`` and make ``pipeline_order_with_comms`` of them: as given (compute_comms), or lowered
+        by PyTorch's passes, UNSHARD/RESHARD, REDUCE_GRAD, SEND/RECV (compute_only)."""
+        self._validate_and_set_stage_mapping(actions)
+        if format == "compute_comms":
+            lowered = {}
+            for rank, row in actions.items():
+                for action in row:
+                    if action is None:
+                        raise AssertionError(f"Expected action to be not None, got {type(action)}")
+                lowered[rank] = list(row)
+        elif format == "compute_only":
+            _actions.check_compute_only(actions)
+            per_rank = {rank: _add_reduce_grad(_add_unshard_reshard(row), self._n_microbatches)
+                        for rank, row in actions.items()}
+            lowered = _add_send_recv(per_rank, lambda s: self.stage_index_to_group_rank[s], self._num_stages)
+        else:
+            raise NotImplementedError(f"{format=} is not implemented")
+        self.pipeline_order_with_comms = lowered
+
+    def _load_actions(self, actions: dict[int, list[_Action | None]],
+                      format: Literal["compute_only", "compute_comms"] = "compute_only") -> None:
+        """Use ``actions`` ({rank: [action or None, ...]}) as the schedule; ``_load_csv`` without the file."""
+        if format == "compute_only":
+            self.pipeline_order = {rank: list(row) for rank, row in actions.items()}
+            self._prepare_schedule_with_comms(self.pipeline_order)
+        elif format == "compute_comms":
+            self._prepare_schedule_with_comms(actions, format=format)
+        else:
+            raise NotImplementedError(f"{format=} is not implemented")
+
+    def _load_csv(self, filename: str, format: Literal["compute_only", "compute_comms"] = "compute_only") -> None:
+        """Read a schedule (compute_only: lowered here; compute_comms: run as written), check it, and use it."""
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(f"{format=} is not implemented")
+        self._load_actions(_actions.read_csv(filename), format)
+
+    def _dump_csv(self, filename: str, format: Literal["compute_only", "compute_comms"] = "compute_comms") -> None:
+        """Write the schedule: with its communication actions (the default, as in PyTorch) or compute only."""
+        if format == "compute_only":
+            _actions.write_csv(filename, self.pipeline_order)
+        elif format == "compute_comms":
+            if self.pipeline_order_with_comms is None:
+                raise AssertionError("Must initialize compute_comms schedule before dump_csv")
+            _actions.write_csv(filename, self.pipeline_order_with_comms)
+
+    def _simulate(self) -> dict[int, list[_Action | None]]:
+        """The lowered schedule on all ranks in unit steps (see ``_actions.simulate_comms_compute``)."""
+        return _simulate_comms_compute(self.pipeline_order_with_comms, lambda s: self.stage_index_to_group_rank[s],
+                                       self._num_stages)
 
 
 class _Rounds:
@@ -338,8 +431,10 @@ class _Rounds:
             )
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti, _Rounds):
+class ScheduleInterleaved1F1B(_PipelineScheduleRuntime, _Rounds):
     """Megatron's interleaved 1F1B: several stages per rank (stage s on rank s % P), depth first."""
+
+    _placement_style = "loop"
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
@@ -347,37 +442,38 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti, _Rounds):
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
         self._set_rounds(n_microbatches, self.pp_group_size, "Interleaved 1F1B")
         self.pipeline_order = {
             r: _plans.interleaved_1f1b(r, self.pp_group_size, self.n_local_stages, n_microbatches,
                                        self.microbatches_per_round)
             for r in range(self.pp_group_size)
         }
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
-class ScheduleLoopedBFS(PipelineScheduleMulti):
+class ScheduleLoopedBFS(_PipelineScheduleRuntime):
     """Breadth first: all microbatches through local stage 0, then local stage 1, ...; backwards in reverse."""
+
+    _placement_style = "loop"
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
         super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
         self.pipeline_order = {r: _plans.looped_bfs(r, self.pp_group_size, self.n_local_stages, n_microbatches)
                                for r in range(self.pp_group_size)}
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
-class _ZeroBubble(PipelineScheduleMulti):
-    """Backward split into input gradients (I, on the critical path) and weight gradients (W, fills bubbles)."""
+class ScheduleInterleavedZeroBubble(_PipelineScheduleRuntime, _Rounds):
+    """Zero bubble with looped placement (stage s on rank s % P): backward split into input gradients (I, on the
+    critical path) and weight gradients (W, filling bubbles), ordered by ``_plans.zero_bubble``."""
 
-    def _zero_bubble_order(self, in_flight: Callable[[int], int]) -> None:
-        self.pipeline_order = _plans.zero_bubble(self._num_stages, self.pp_group_size, self._n_microbatches,
-                                                 self.stage_index_to_group_rank, in_flight)
-
-
-class ScheduleInterleavedZeroBubble(_ZeroBubble, _Rounds):
-    """Zero bubble with looped placement (stage s on rank s % P)."""
+    _placement_style = "loop"
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
@@ -386,13 +482,16 @@ class ScheduleInterleavedZeroBubble(_ZeroBubble, _Rounds):
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
         _check_not_compiled(stages, type(self).__name__)
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
         self._set_rounds(n_microbatches, self.pp_group_size, "Zero bubble")
         p, v, per_round = self.pp_group_size, self.n_local_stages, self.microbatches_per_round
-        self._zero_bubble_order(lambda r: v * per_round + 2 * (p - 1 - r) + 1)
+        self.pipeline_order = _plans.zero_bubble(self._num_stages, p, n_microbatches, self.stage_index_to_group_rank,
+                                                 lambda r: v * per_round + 2 * (p - 1 - r) + 1)
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
-class ScheduleZBVZeroBubble(_ZeroBubble):
+class ScheduleZBVZeroBubble(_PipelineScheduleRuntime):
     """Zero bubble with V placement: rank r holds stages r and 2P - 1 - r (the first and last stage share rank 0)."""
 
     _placement_style = "v"
@@ -406,12 +505,14 @@ class ScheduleZBVZeroBubble(_ZeroBubble):
         if isinstance(stages, (list, tuple)) and len(stages) != 2:
             raise ValueError(f"ZBV requires exactly 2 stages per rank, but got {len(stages)}.")
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
         self.num_stages = self._num_stages
-        self._zero_bubble_order(lambda r: 2 * self.pp_group_size)
+        self.pipeline_order = {r: _plans.zbv(r, self.pp_group_size, n_microbatches) for r in range(self.pp_group_size)}
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti):
+class ScheduleDualPipeV(_PipelineScheduleRuntime):
     """DeepSeek's DualPipe folded into a V (arXiv:2412.19437): rank r holds stages r and 2P - 1 - r, and in steady
     state overlaps the forward of one with the backward of the other (here: runs one, then the other)."""
 
@@ -426,7 +527,8 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
         if isinstance(stages, (list, tuple)) and len(stages) != 2:
             raise ValueError(f"ZBV requires exactly 2 stages per rank, but got {len(stages)}.")
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
         if n_microbatches < self._num_stages:
             raise ValueError(
                 "DualPipeV requires at least as many microbatches as stages, but got "
@@ -435,6 +537,7 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
         self.num_stages = self._num_stages
         self.pipeline_order = {r: _plans.dualpipe_v(r, self.pp_group_size, n_microbatches)
                                for r in range(self.pp_group_size)}
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
 def _check_not_compiled(stages: Any, schedule_name: str) -> None:
