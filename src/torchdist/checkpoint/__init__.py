@@ -12,6 +12,7 @@ from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from .filesystem import FileSystemReader, FileSystemWriter
 from .hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from .optimizer import load_sharded_optimizer_state_dict
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .state_dict_loader import load, load_state_dict
 from .state_dict_saver import AsyncCheckpointerType, async_save, save, save_state_dict
@@ -26,5 +27,6 @@ __all__ = [
     "DefaultLoadPlanner", "DefaultSavePlanner", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner",
     "WriteItem",
     "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "TensorStorageMetadata",
+    "load_sharded_optimizer_state_dict",
     "staging",
 ]
