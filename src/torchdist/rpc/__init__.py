@@ -10,14 +10,17 @@ with the job secret (``TORCHDIST_SECRET``) when one is set; without it, anyone w
 can reach a worker's address can run code in it.
 """
 
-from . import functions
+from . import backend_registry, functions
 from .api import (_set_rpc_timeout, get_rpc_timeout, get_worker_info, init_rpc, is_available, is_initialized, remote,
                   rpc_async, rpc_sync, shutdown)
-from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+from .backend_registry import (BackendType, BackendValue, backend_registered, construct_rpc_backend_options,
+                               init_backend, register_backend)
+from .options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from .rref import RRef
 
 __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
     "is_available", "is_initialized", "RRef", "WorkerInfo", "BackendType", "RpcBackendOptions",
-    "TensorPipeRpcBackendOptions", "functions",
+    "TensorPipeRpcBackendOptions", "functions", "backend_registry", "backend_registered", "register_backend",
+    "construct_rpc_backend_options", "init_backend", "BackendValue",
 ]

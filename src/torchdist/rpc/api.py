@@ -54,8 +54,10 @@ if TYPE_CHECKING:
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT
 from .dispatch import RequestKind, RpcCodec, handle_request
 from .handshake import authenticate
-from .options import (DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
-                      TensorPipeRpcBackendOptions, WorkerInfo, validate_worker_name)
+from . import backend_registry
+from .backend_registry import BackendType
+from .options import (DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, RpcBackendOptions, TensorPipeRpcBackendOptions,
+                      WorkerInfo, validate_worker_name)
 
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
            "_set_rpc_timeout", "is_initialized", "is_available"]
@@ -118,34 +120,62 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     """Start this worker's RPC agent and meet the other ``world_size - 1`` workers.
 
     ``world_size=None``: join a dynamic group instead (this worker's ``rank`` is
-    required; see :mod:`.membership`).
+    required; see :mod:`.membership`). ``backend``: a member of ``BackendType``
+    (see :mod:`.backend_registry`); its init handler gets the rendezvous store.
     """
-    if backend is not None and backend != BackendType.TENSORPIPE:
-        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
-    options = rpc_backend_options if rpc_backend_options is not None else TensorPipeRpcBackendOptions()
-    if not isinstance(options, TensorPipeRpcBackendOptions):
-        raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`, got {type(options)}")
+    backend, options = backend_registry.resolve_backend(backend, rpc_backend_options)
     validate_worker_name(name)
     if world_size is not None and (not isinstance(world_size, int) or world_size <= 0):
         raise ValueError(f"init_rpc: world_size must be a positive int or None (a dynamic group), got {world_size!r}")
     with _init_lock:
         if _runtime is not None:
             raise RuntimeError("RPC is already initialized")
-        timeout = options.rpc_timeout if options.rpc_timeout > 0 else 0.0
-        store_timeout = timedelta(seconds=timeout or DEFAULT_RPC_TIMEOUT_SEC)
-        shm = options._transports is None or "shm" in options._transports
+        store_timeout = _store_timeout(options)
         if world_size is None:
-            _join_dynamic(name, rank, options, timeout, store_timeout, shm)
+            store, rank = membership.dynamic_store(options.init_method, rank, store_timeout)
         else:
-            _start_static(name, rank, world_size, options, timeout, store_timeout, shm)
+            store, rank, world_size = next(rendezvous(options.init_method, rank, world_size, timeout=store_timeout))
+        agent = backend_registry.init_backend(backend, store=store, name=name, rank=rank, world_size=world_size,
+                                              rpc_backend_options=options)
+        _use_agent(backend, agent)
     logger.info("rpc: %s started (%s)", _runtime.me,
                 f"{world_size} workers" if world_size else "dynamic group")
 
 
-def _start_static(name: str, rank: int, world_size: int, options: TensorPipeRpcBackendOptions, timeout: float,
-                  store_timeout: timedelta, shm: bool) -> None:
+def _store_timeout(options: RpcBackendOptions) -> timedelta:
+    return timedelta(seconds=options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC)
+
+
+def _start_agent(store, name: str, rank: int, world_size: int | None,
+                 options: TensorPipeRpcBackendOptions) -> TcpAgent:
+    """(init lock held; BackendType.TENSORPIPE's init handler) Start torchdist's agent on the rendezvous store."""
+    if _runtime is not None:
+        raise RuntimeError("RPC is already initialized")
+    validate_worker_name(name)
+    timeout = options.rpc_timeout if options.rpc_timeout > 0 else 0.0
+    shm = options._transports is None or "shm" in options._transports
+    if world_size is None:
+        _join_dynamic(store, name, rank, options, timeout, _store_timeout(options), shm)
+    else:
+        _start_static(store, name, rank, world_size, options, timeout, _store_timeout(options), shm)
+    return _runtime.agent
+
+
+def _use_agent(backend: BackendType, agent: Any) -> None:
+    """(init lock held) Make the agent a backend's init handler returned the current one (PyTorch's
+    ``_init_rpc_states``): torchdist's own, or an object wrapping it."""
+    if _runtime is None:
+        raise RuntimeError(f"RPC backend {backend.name}: its init handler returned {agent!r} without starting "
+                           "torchdist's agent; a registered backend must start it through "
+                           "init_backend(BackendType.TENSORPIPE, ...) and return that agent or a wrapper of it")
+    if agent is None:
+        raise RuntimeError(f"RPC backend {backend.name}: its init handler returned None instead of the agent")
+    _runtime.agent = agent
+
+
+def _start_static(store, name: str, rank: int, world_size: int, options: TensorPipeRpcBackendOptions,
+                  timeout: float, store_timeout: timedelta, shm: bool) -> None:
     """(init lock held) Meet all ``world_size`` workers at once: the membership is known up front."""
-    store, rank, world_size = next(rendezvous(options.init_method, rank, world_size, timeout=store_timeout))
     membership.check_group_kind(store, static=True)
     generation = store.add(f"rpc/generation/{rank}", 1)  # init_rpc rounds of one job stay apart
     store = PrefixStore(f"rpc/{generation}", store)
@@ -168,10 +198,9 @@ def _start_static(name: str, rank: int, world_size: int, options: TensorPipeRpcB
     _start(runtime, {w.id: w for w in workers}, sockets, options.num_worker_threads)
 
 
-def _join_dynamic(name: str, rank: int, options: TensorPipeRpcBackendOptions, timeout: float,
+def _join_dynamic(store, name: str, rank: int, options: TensorPipeRpcBackendOptions, timeout: float,
                   store_timeout: timedelta, shm: bool) -> None:
     """(init lock held) Join a dynamic group: connect to its members now, accept later joiners."""
-    store, rank = membership.dynamic_store(options.init_method, rank, store_timeout)
     membership.check_group_kind(store, static=False)
     me = WorkerInfo(name, rank)
     runtime = _Runtime(me, timeout, None)

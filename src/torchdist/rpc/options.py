@@ -1,4 +1,5 @@
-"""Configuration and identity: ``TensorPipeRpcBackendOptions``, ``BackendType``, ``WorkerInfo``.
+"""Configuration and identity: ``TensorPipeRpcBackendOptions``, ``WorkerInfo`` (``BackendType``: see
+:mod:`.backend_registry`).
 
 The options class keeps PyTorch's name and signature so that unmodified scripts run;
 torchdist has one agent (see :mod:`torchdist.rpc.agent`). Of the TensorPipe specific
@@ -11,7 +12,6 @@ host memory, so on CPU-only workers a map is a no-op.
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +20,13 @@ import torch
 
 from .constants import DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
 
-__all__ = ["BackendType", "TensorPipeRpcBackendOptions", "RpcBackendOptions", "WorkerInfo",
+__all__ = ["TensorPipeRpcBackendOptions", "RpcBackendOptions", "WorkerInfo",
            "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_INIT_METHOD", "UNSET_RPC_TIMEOUT",
            "validate_worker_name"]
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]*$")
 _MAX_NAME_LEN = 128
-
-
-class BackendType(enum.Enum):
-    """The RPC backends; TENSORPIPE names torchdist's TCP agent, so ``backend=`` args keep working."""
-
-    TENSORPIPE = "TENSORPIPE"
 
 
 @dataclass(frozen=True)
