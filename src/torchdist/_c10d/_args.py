@@ -19,11 +19,14 @@ import torch
 
 from .._process_group.process_group import ProcessGroup
 from .._process_group.work import Work
+from .comm_report import report_c10d
 from .world import NON_GROUP_MEMBER, WORLD
 
 
 def member_group(group: ProcessGroup | None, op: str, refuse: bool = False) -> ProcessGroup | None:
     """The group to run ``op`` on, or None (after a warning) if this rank is not in it.
+
+    A collective that will run is reported to ``comm_report``'s listeners (CommDebugMode) here.
 
     ``refuse``: raise ValueError instead, as PyTorch's ``send``, ``send_object_list`` and
     ``recv_object_list`` do on a rank outside their group."""
@@ -38,6 +41,7 @@ def member_group(group: ProcessGroup | None, op: str, refuse: bool = False) -> P
             stacklevel=3,
         )
         return None
+    report_c10d(op)
     return pg
 
 

@@ -20,6 +20,9 @@ mesh dimension still splits. The plan first tries to change each mesh dimension
 directly, last to first; if a step would break that rule it replicates every
 mesh dimension (last to first) and then places each one (first to last), which
 is always correct.
+
+Each collective is reported (``_c10d.comm_report.functional_collective``) under the functional-collective name
+PyTorch's DTensor issues for it, which is what ``CommDebugMode`` counts.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Sequence
 import torch
 
 from .._c10d.collectives import all_gather_single, all_reduce, all_to_all_single, reduce_scatter_single
+from .._c10d.comm_report import functional_collective
 from .._process_group.reduce_op import ReduceOp
 from ._placements import (Partial, Placement, Replicate, Shard, _StridedShard, is_shard_like, pad_dim, shard_indices,
                           shard_size_and_offset)
@@ -36,6 +40,8 @@ from ._spec import DTensorSpec
 
 __all__ = ["redistribute_local_tensor", "reduce_op_of"]
 
+#: What PyTorch's CommDebugMode counts for the collective of each step (its functional collectives).
+_ALL_GATHER = "c10d_functional.all_gather_into_tensor"
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN,
                "product": ReduceOp.PRODUCT}
 
@@ -65,7 +71,8 @@ def _gather(local: torch.Tensor, group, world: int, dim: int, size: int) -> torc
     full = -(-size // world)
     moved = pad_dim(local, dim, full).movedim(dim, 0).contiguous()
     out = moved.new_empty((world * full, *moved.shape[1:]))
-    all_gather_single(out, moved, group=group)
+    with functional_collective(_ALL_GATHER):
+        all_gather_single(out, moved, group=group)
     pieces = [out.narrow(0, i * full, shard_size_and_offset(size, world, i)[0]) for i in range(world)]
     return torch.cat(pieces, 0).movedim(0, dim).contiguous()
 
@@ -78,7 +85,8 @@ def _gather_strided(local: torch.Tensor, group, placement: _StridedShard, world:
     full = max(len(r) for r in rows)
     moved = pad_dim(local, dim, full).movedim(dim, 0).contiguous()
     out = moved.new_empty((world * full, *moved.shape[1:]))
-    all_gather_single(out, moved, group=group)
+    with functional_collective(_ALL_GATHER):
+        all_gather_single(out, moved, group=group)
     valid = torch.cat([out.narrow(0, i * full, len(r)) for i, r in enumerate(rows)], 0)
     order = torch.tensor([row for r in rows for row in r], dtype=torch.long, device=local.device)
     whole = valid.new_empty((size, *valid.shape[1:])).index_copy_(0, order, valid)
@@ -112,7 +120,8 @@ def _reduce_scatter(local: torch.Tensor, group, world: int, rank: int, dim: int,
     full = -(-size // world)
     moved = pad_dim(local, dim, full * world).movedim(dim, 0).contiguous()
     out = moved.new_empty((full, *moved.shape[1:]))
-    reduce_scatter_single(out, moved, op=op, group=group)
+    with functional_collective("c10d_functional.reduce_scatter_tensor"):
+        reduce_scatter_single(out, moved, op=op, group=group)
     return out.narrow(0, 0, shard_size_and_offset(size, world, rank)[0]).movedim(0, dim).contiguous()
 
 
@@ -130,8 +139,10 @@ def _all_to_all(local: torch.Tensor, group, world: int, rank: int, src: int, dst
         shapes.append(shape)
     counts = [int(torch.Size(s).numel()) for s in shapes]
     out = local.new_empty(sum(counts))
-    all_to_all_single(out, torch.cat(sends) if sends else local.new_empty(0), output_split_sizes=counts,
-                      input_split_sizes=[s.numel() for s in sends], group=group)
+    # PyTorch's shard_dim_alltoall: an all-gather on CPU meshes (gloo has no all-to-all), else its own op.
+    with functional_collective(_ALL_GATHER if local.device.type == "cpu" else "_dtensor.shard_dim_alltoall"):
+        all_to_all_single(out, torch.cat(sends) if sends else local.new_empty(0), output_split_sizes=counts,
+                          input_split_sizes=[s.numel() for s in sends], group=group)
     received = [piece.reshape(shape) for piece, shape in zip(out.split(counts), shapes)]
     return torch.cat(received, src).contiguous()
 
@@ -161,7 +172,8 @@ def _step(local: torch.Tensor, spec: DTensorSpec, current: list[Placement], mesh
             local = _gather(local, group, world, source.dim, size) if world > 1 else local
         elif isinstance(source, Partial) and world > 1:
             local = local.contiguous().clone() if not local.is_contiguous() else local.clone()
-            all_reduce(local, op=reduce_op_of(source), group=group)
+            with functional_collective("c10d_functional.all_reduce"):
+                all_reduce(local, op=reduce_op_of(source), group=group)
     elif isinstance(target, Shard):
         if isinstance(source, Replicate):
             length, offset = shard_size_and_offset(local.size(target.dim), world, rank)
