@@ -61,8 +61,8 @@ def _redistribution_counts(rank: int, world: int, lib_name: str, shape: tuple[in
     count("Shard -> Replicate", lambda: s0.redistribute(mesh, [R()] * nd))
     count("uneven Shard -> Replicate", lambda: uneven.redistribute(mesh, [R()] * nd))
     count("Partial -> Replicate", lambda: partial.redistribute(mesh, [R()] * nd))
-    # (P, P) -> (S(0), S(0)) differs: PyTorch reduce-scatters twice, torchdist's plan all-reduces twice.
     count("Partial -> Shard", lambda: partial.redistribute(mesh, [S(0)] + [S(1)] * (nd - 1)))
+    count("Partial -> nested Shard", lambda: partial.redistribute(mesh, [S(0)] * nd))
     count("Shard(0) -> Shard(1)", lambda: s0.redistribute(mesh, [S(1)] * nd))
     count("full_tensor", lambda: s0.full_tensor())
     replicated = T.distribute_tensor(x, mesh, [R()] * nd)

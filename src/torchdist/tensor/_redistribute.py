@@ -17,9 +17,9 @@ anything else          through Replicate
 Shards of one tensor dimension on several mesh dimensions nest (the first
 mesh dimension outermost), so a step may only touch a dimension that no later
 mesh dimension still splits. The plan first tries to change each mesh dimension
-directly, last to first; if a step would break that rule it replicates every
-mesh dimension (last to first) and then places each one (first to last), which
-is always correct.
+directly, last to first, then first to last; if a step of either order would
+break that rule it replicates every mesh dimension (last to first) and then
+places each one (first to last), which is always correct.
 
 Each collective is reported (``_c10d.comm_report.functional_collective``) under the functional-collective name
 PyTorch's DTensor issues for it, which is what ``CommDebugMode`` counts.
@@ -199,6 +199,23 @@ def _direct_is_safe(current: Sequence[Placement], mesh_dim: int, target: Placeme
     return not _inner_shards(current, mesh_dim, dims)
 
 
+def _direct_order(current: Sequence[Placement], placements: Sequence[Placement]) -> list[int] | None:
+    """An order of the changing mesh dimensions in which every step can go straight to its target (none cuts
+    into a later dimension's shards): last to first (unsharding inner levels first), else first to last
+    (sharding outer levels first: ``(Partial, Partial) -> (Shard(0), Shard(0))`` is two reduce-scatters that
+    way, where through Replicate it would be two all-reduces); None if neither works."""
+    changing = [i for i in range(len(placements)) if current[i] != placements[i]]
+    for order in (changing[::-1], changing):
+        trial = list(current)
+        for mesh_dim in order:
+            if not _direct_is_safe(trial, mesh_dim, placements[mesh_dim]):
+                break
+            trial[mesh_dim] = placements[mesh_dim]
+        else:
+            return order
+    return None
+
+
 def redistribute_local_tensor(local: torch.Tensor, spec: DTensorSpec, placements: Sequence[Placement]) -> torch.Tensor:
     """This rank's block of ``spec``'s tensor laid out with ``placements`` instead, on the same mesh.
 
@@ -208,17 +225,9 @@ def redistribute_local_tensor(local: torch.Tensor, spec: DTensorSpec, placements
     if spec.placements == placements or spec.mesh.get_coordinate() is None:
         return local
     current = list(spec.placements)
-    changing = [i for i in range(len(placements)) if current[i] != placements[i]]
-    # Direct plan: last mesh dimension first, each step must not cut into a later dimension's shards.
-    trial = list(current)
-    direct = True
-    for mesh_dim in reversed(changing):
-        if not _direct_is_safe(trial, mesh_dim, placements[mesh_dim]):
-            direct = False
-            break
-        trial[mesh_dim] = placements[mesh_dim]
-    if direct:
-        for mesh_dim in reversed(changing):
+    order = _direct_order(current, placements)
+    if order is not None:
+        for mesh_dim in order:
             local = _step(local, spec, current, mesh_dim, placements[mesh_dim])
         return local
     # Through Replicate: unshard innermost first, then place outermost first.
