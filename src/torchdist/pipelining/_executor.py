@@ -102,9 +102,7 @@ class Executor:
             self.sends += stage.send_forward(mb, None)
         elif kind is RECV_F:
             self._check_remote(stage, prev, action)
-            if (_FORWARD_RECV, mb) in stage._recv_works:
-                raise AssertionError(f"Recv twice for stage_idx={stage.stage_index} mb_index={mb} without executing "
-                                     "forward")
+            self._check_not_posted(stage, _FORWARD_RECV, mb, "forward")
             stage.post_fwd_recv(mb)
         elif not self.backward:
             return  # eval(): forwards only
@@ -123,9 +121,7 @@ class Executor:
             self.sends += stage.send_backward(mb, None)
         elif kind is RECV_B:
             self._check_remote(stage, nxt, action)
-            if (_BACKWARD_RECV, mb) in stage._recv_works:
-                raise AssertionError(f"Recv twice for stage_idx={stage.stage_index} mb_index={mb} without executing "
-                                     "backward")
+            self._check_not_posted(stage, _BACKWARD_RECV, mb, "backward")
             stage.post_bwd_recv(mb)
         elif kind is REDUCE_GRAD:
             stage.perform_reduce_grad(self.schedule._n_microbatches if self.schedule.scale_grads else 1)
@@ -150,6 +146,12 @@ class Executor:
         if neighbour is not None:
             raise ValueError(f"{action}: stages {stage.stage_index} and {neighbour.stage_index} are both on this rank "
                              "and hand their tensors over directly; remove the communication action")
+
+    @staticmethod
+    def _check_not_posted(stage: PipelineStage, direction: int, mb: int, compute: str) -> None:
+        if (direction, mb) in stage._recv_works:
+            raise AssertionError(f"Recv twice for stage_idx={stage.stage_index} mb_index={mb} without executing "
+                                 f"{compute}")
 
     # -- FSDP ---------------------------------------------------------------------------------------------------
     def _fsdp(self, stage: PipelineStage) -> list[Any]:
