@@ -37,7 +37,7 @@ import logging
 from collections import defaultdict
 from typing import Callable
 
-from ._plans import (B, F, I, OVERLAP_F_B, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W,
+from ._plans import (B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W,
                      _Action)
 
 __all__ = ["format_pipeline_order", "validate_schedule", "add_unshard_reshard", "add_reduce_grad", "merge_bw",
@@ -184,7 +184,7 @@ def add_reduce_grad(actions: list[_Action | None], n_microbatches: int) -> list[
         if action is None:
             continue
         out.append(action)
-        for leaf in _leaves(action) if action.computation_type is OVERLAP_F_B else (action,):
+        for leaf in _leaves(action):
             if leaf.computation_type in (B, W):
                 backwards[leaf.stage_index] += 1
                 if backwards[leaf.stage_index] == n_microbatches:
