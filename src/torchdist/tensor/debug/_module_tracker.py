@@ -16,7 +16,6 @@ keeping its names and semantics:
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Any, Callable
 
@@ -123,7 +122,7 @@ class ModuleTracker:
             if isinstance(param.data, DTensor):
                 self.sharding_dict[f"{self.name}.{param_name}"] = param.data.placements
                 info.setdefault("parameters", {})[param_name] = str(param.data.placements)
-        self.module_parents_dict.setdefault(self.name, copy.deepcopy(self.parents))
+        self.module_parents_dict.setdefault(self.name, set(self.parents))
         self.parent_dict.setdefault(self.parent_list[-1], []).append(self.name)
         self.parent_list.append(self.name)
         # The module stays ``name`` until its own forward hooks (tensor parallelism's output redistribution) ran:
